@@ -1,0 +1,5 @@
+import sys
+
+from spmd.cli import main
+
+sys.exit(main())

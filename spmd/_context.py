@@ -1,0 +1,66 @@
+"""The active plan: lets model code name activation layouts by logical axis names."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+from flax import linen as nn
+from jax.sharding import NamedSharding
+
+if TYPE_CHECKING:
+    from spmd._plan import Plan
+
+_ACTIVE: contextvars.ContextVar[tuple[Plan, jax.sharding.Mesh] | None] = contextvars.ContextVar(
+    "spmd_active_plan", default=None
+)
+
+
+@contextlib.contextmanager
+def activate(plan: Plan, mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """Makes ``plan`` resolve logical activation names inside model code (and flax's own constraints).
+
+    >>> import spmd, jax.numpy as jnp
+    >>> with spmd.activate(spmd.Plan(batch_axes=("data",)), spmd.make_mesh({"data": -1})):
+    ...     y = spmd.constrain(jnp.ones((8, 4)), ("batch", "embed"))
+    >>> y.shape
+    (8, 4)
+    """
+    token = _ACTIVE.set((plan, mesh))
+    try:
+        # flax's nn.with_logical_constraint reads its own rule context; give it the same rules.
+        with nn.logical_axis_rules(plan.flax_axis_rules(mesh)):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> tuple[Plan, jax.sharding.Mesh] | None:
+    """The (plan, mesh) made active by :func:`activate`, or None."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrains an activation's layout by logical axis names under the active plan; a no-op without one.
+
+    ``names`` has one entry per dimension (e.g. ``("batch", "seq", "embed")``); ``"batch"`` maps to the plan's
+    batch axes, other names through its logical rules, and unknown names stay unsharded.
+
+    >>> import spmd, jax.numpy as jnp
+    >>> spmd.constrain(jnp.ones((2, 3)), ("batch", None)).shape  # no active plan: unchanged
+    (2, 3)
+    """
+    current = _ACTIVE.get()
+    if current is None:
+        return x
+    plan, mesh = current
+    if len(names) != x.ndim:
+        raise ValueError(
+            f"spmd.constrain: {len(names)} names {tuple(names)} for an array of shape {x.shape}; "
+            f"give one logical name (or None) per dimension"
+        )
+    spec = plan.activation_spec(tuple(names), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

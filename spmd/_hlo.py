@@ -1,0 +1,556 @@
+"""What collectives a compiled SPMD program really runs, read from its optimised HLO text.
+
+``jax.jit(f).lower(...).compile().as_text()`` is the module XLA executes after SPMD partitioning, collective
+combining and loop optimisation. :func:`collectives` walks it from ``ENTRY``, multiplies ops inside ``while``
+bodies by their known trip counts, and maps each op's replica groups back to the mesh axes they span.
+
+Facts about the text on this stack (jax/jaxlib 0.10.2, XLA CPU) that the parser relies on:
+
+* Device numbers in ``replica_groups`` / ``source_target_pairs`` are positions in the program's device
+  assignment, which for a jitted program over a mesh is ``mesh.devices.flat`` order -- not ``Device.id``.
+  (Checked with a mesh built from a permuted ``jax.devices()``: the HLO groups stay ``{{0,4},...}`` for a psum
+  over the leading axis and ``runtime_executable().local_devices()`` equals ``list(mesh.devices.flat)``.)
+* Replica groups come in three spellings: explicit ``{{0,1},{2,3}}``, iota ``[4,2]<=[2,4]T(1,0)``, and the
+  mesh-axes form ``mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_1'}`` whose
+  axis names are XLA's own, not the jax mesh's.
+* Trip counts sit in the while op's ``backend_config={..."known_trip_count":{"n":"5"}}``.
+* Loop-invariant collectives get hoisted out of while bodies by XLA, so only loop-variant ones are multiplied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["Collective", "collectives"]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Bits per element; sub-byte types are packed, so bytes are rounded up per buffer.
+_DTYPE_BITS = {
+    "pred": 8,
+    "s1": 1,
+    "u1": 1,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "bf16": 16,
+    "f16": 16,
+    "s16": 16,
+    "u16": 16,
+    "f32": 32,
+    "s32": 32,
+    "u32": 32,
+    "f64": 64,
+    "s64": 64,
+    "u64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+}
+
+_ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_CALLEE_ATTR = re.compile(
+    r"\b(to_apply|calls|condition|body|true_computation|false_computation|branch_computations"
+    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective over one set of mesh axes, summed over a whole program run."""
+
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    count: int
+    bytes: int
+    traffic_bytes: int
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; ``axes`` becomes a list."""
+        return {
+            "kind": self.kind,
+            "count": self.count,
+            "bytes": self.bytes,
+            "traffic_bytes": self.traffic_bytes,
+            "axes": list(self.axes),
+            "group_size": self.group_size,
+        }
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: str
+    attrs: str
+
+
+def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Collective]:
+    """The collectives ``hlo_text`` executes per run, aggregated by (kind, axes, group_size).
+
+    ``hlo_text`` is ``compiled.as_text()``; ``mesh`` (the one the program was jitted over) names the axes,
+    which stay empty without it. Degenerate collectives (one device per group) are dropped. Sorted by
+    ``traffic_bytes``, largest first.
+
+    >>> text = '''HloModule m, num_partitions=2
+    ... ENTRY %main (p: f32[8]) -> f32[8] {
+    ...   %p = f32[8]{0} parameter(0)
+    ...   ROOT %r = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+    ... }'''
+    >>> collectives(text)
+    [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32)]
+
+    On a real program (a single device runs no collectives at all, so the check holds for any count):
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()), ("i",))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    >>> ops = collectives(jax.jit(f).lower(jnp.ones(4 * mesh.size)).compile().as_text(), mesh)
+    >>> all(c.kind == "all-reduce" and c.axes == ("i",) and c.bytes == 16 for c in ops)
+    True
+    """
+    computations, entry = _parse_module(hlo_text)
+    if entry is None:
+        return []
+    num_devices = _num_devices(hlo_text)
+    multiplier = _multipliers(computations, entry)
+
+    totals: dict[tuple[str, tuple[str, ...], int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for comp_name, times in multiplier.items():
+        instrs = computations[comp_name]
+        shapes = {i.name: i.shape for i in instrs}
+        for instr in instrs:
+            op = _describe(instr, shapes, num_devices, mesh)
+            if op is None:
+                continue
+            kind, axes, n, size = op
+            total = totals[(kind, axes, n)]
+            total[0] += times
+            total[1] += times * size
+            total[2] += times * size * _traffic_factor(kind, n)
+
+    out = [
+        Collective(kind, axes, n, int(count), int(nbytes), round(traffic))
+        for (kind, axes, n), (count, nbytes, traffic) in totals.items()
+    ]
+    out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.axes))
+    return out
+
+
+def _traffic_factor(kind: str, n: int) -> float:
+    # Per-device bytes sent by a bandwidth-optimal ring implementation, as a fraction of the full buffer S.
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n
+    if kind == "collective-permute":
+        return 1.0
+    return (n - 1) / n
+
+
+# ---------------------------------------------------------------------------- module parsing
+
+
+def _parse_module(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
+    computations: dict[str, list[_Instr]] = {}
+    entry = None
+    current: list[_Instr] | None = None
+    for line in text.splitlines():
+        if current is None:
+            header = _HEADER.match(line)
+            if header and not line.startswith(("HloModule", " ")):
+                current = computations.setdefault(header.group(2).lstrip("%"), [])
+                if header.group(1):
+                    entry = header.group(2).lstrip("%")
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        instr = _parse_instr(line)
+        if instr is not None:
+            current.append(instr)
+    return computations, entry
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    match = _INSTR.match(line)
+    if match is None:
+        return None
+    name, rest = match.group(1).lstrip("%"), match.group(2)
+    if rest.startswith("("):
+        end = _matching(rest, 0)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    opcode_match = re.match(r"([\w\-]+)\(", rest)
+    if opcode_match is None:
+        return None
+    open_at = opcode_match.end() - 1
+    close_at = _matching(rest, open_at)
+    return _Instr(name, shape, opcode_match.group(1), rest[open_at + 1 : close_at], rest[close_at + 1 :])
+
+
+def _matching(text: str, open_at: int) -> int:
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    opener, closer, depth = text[open_at], pairs[text[open_at]], 0
+    for i in range(open_at, len(text)):
+        if text[i] == opener:
+            depth += 1
+        elif text[i] == closer:
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
+
+
+def _num_devices(text: str) -> int:
+    header = text[: text.find("\n")] if "\n" in text else text
+    partitions = re.search(r"\bnum_partitions=(\d+)", header)
+    replicas = re.search(r"\breplica_count=(\d+)", header)
+    return (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
+
+
+def _callees(instr: _Instr) -> list[tuple[str, int]]:
+    """(computation, executions per execution of ``instr``) for each computation ``instr`` calls."""
+    # A natively async collective (`all-gather-start`) is counted itself; descending into whatever it
+    # references as well would count it twice. `-done`/`-update` halves repeat the `-start`'s callee.
+    if instr.opcode.endswith(("-done", "-update")) or _collective_kind(instr.opcode):
+        return []
+    attrs = _QUOTED.sub('""', instr.attrs)
+    trips = 1
+    if instr.opcode == "while":
+        found = _TRIP_COUNT.search(instr.attrs)
+        # Without a known trip count the body is counted once: a lower bound.
+        trips = int(found.group(1)) if found else 1
+    out = []
+    for key, value in _CALLEE_ATTR.findall(attrs):
+        # Each conditional branch counts as if it ran: an upper bound, since exactly one runs.
+        times = trips if key == "body" else trips + 1 if key == "condition" and instr.opcode == "while" else 1
+        out.extend((name.lstrip("%"), times) for name in re.findall(r"%?([\w.\-]+)", value))
+    return out
+
+
+def _multipliers(computations: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
+    """How many times each computation reachable from ``entry`` runs per program run."""
+    edges: dict[str, list[tuple[str, int]]] = {}
+    stack, seen = [entry], {entry}
+    while stack:
+        comp = stack.pop()
+        edges[comp] = [
+            (callee, times)
+            for instr in computations.get(comp, [])
+            for callee, times in _callees(instr)
+            if callee in computations
+        ]
+        for callee, _ in edges[comp]:
+            if callee not in seen:
+                seen.add(callee)
+                stack.append(callee)
+    # HLO call graphs are acyclic, so a topological order exists; a computation called from two places (or
+    # from two callers) accumulates both.
+    indegree = dict.fromkeys(seen, 0)
+    for callees in edges.values():
+        for callee, _ in callees:
+            indegree[callee] += 1
+    mult = dict.fromkeys(seen, 0)
+    mult[entry] = 1
+    ready = [c for c, d in indegree.items() if d == 0]
+    while ready:
+        comp = ready.pop()
+        for callee, times in edges[comp]:
+            mult[callee] += mult[comp] * times
+            indegree[callee] -= 1
+            if indegree[callee] == 0:
+                ready.append(callee)
+    return {c: m for c, m in mult.items() if m > 0}
+
+
+# ---------------------------------------------------------------------------- one collective
+
+
+def _collective_kind(opcode: str) -> tuple[str, bool] | None:
+    """(kind, is_async_start) for a collective opcode, else None."""
+    if opcode in KINDS:
+        return opcode, False
+    if opcode.endswith("-start") and opcode[: -len("-start")] in KINDS:
+        return opcode[: -len("-start")], True
+    return None
+
+
+def _describe(
+    instr: _Instr, shapes: dict[str, str], num_devices: int, mesh: jax.sharding.Mesh | None
+) -> tuple[str, tuple[str, ...], int, int] | None:
+    """(kind, axes, group_size, bytes of one execution) for a non-degenerate collective, else None."""
+    found = _collective_kind(instr.opcode)
+    if found is None:
+        return None
+    kind, is_start = found
+    attrs = _QUOTED.sub('""', instr.attrs)
+    if kind == "collective-permute":
+        pairs = _parse_pairs(attrs)
+        pairs = [(s, t) for s, t in pairs if s != t]
+        if not pairs and "source_target_pairs" in attrs:
+            return None
+        n = _largest_component(pairs) if pairs else 2
+        axes = _axes_of_pairs(pairs, mesh)
+    else:
+        groups = _parse_groups(attrs, num_devices)
+        n = max((len(g) for g in groups), default=0) if groups is not None else 0
+        if groups is None or n <= 1:
+            return None
+        axes = _axes_of_groups(groups, mesh)
+    return kind, axes, n, _buffer_bytes(kind, is_start, instr, shapes, n)
+
+
+def _buffer_bytes(kind: str, is_start: bool, instr: _Instr, shapes: dict[str, str], n: int) -> int:
+    """The full buffer S of one execution (see :class:`Collective`)."""
+    if not is_start and kind != "reduce-scatter":
+        # Synchronous results are exactly S (all-gather: the gathered result; tuples when ops were combined).
+        return _shape_bytes(instr.shape)
+    # A -start's result mixes operands, results and context scalars, so S comes from the operands instead.
+    operand_shapes = _operand_shapes(instr.operands, shapes)
+    if kind == "collective-permute":
+        # The in-place form carries index operands after the buffer.
+        operand_shapes = operand_shapes[:1]
+    scale = n if kind == "all-gather" else 1
+    if operand_shapes and all(s is not None for s in operand_shapes):
+        return scale * sum(_shape_bytes(s) for s in operand_shapes if s is not None)
+    # Unresolvable operands: reduce-scatter's result is S/N; a -start's result leads with its operand(s),
+    # except all-reduce-start, whose result is just its operand(s).
+    if not is_start:
+        return _shape_bytes(instr.shape) * n
+    if kind == "all-reduce":
+        return _shape_bytes(instr.shape)
+    return scale * _shape_bytes(_tuple_elements(instr.shape)[0])
+
+
+def _operand_shapes(operands: str, shapes: dict[str, str]) -> list[str | None]:
+    out: list[str | None] = []
+    for part in _split_top_level(operands):
+        part = part.strip()
+        if not part:
+            continue
+        # Older printers spell the operand's shape inline: `f32[8]{0} %p`.
+        name = re.search(r"%?([\w.\-]+)\s*$", part)
+        inline = part[: name.start()].strip() if name else ""
+        out.append(inline or (shapes.get(name.group(1)) if name else None))
+    return out
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    return [p.strip() for p in _split_top_level(shape[1:-1]) if p.strip()]
+
+
+def _shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape, tuple elements summed; layouts and memory-space suffixes are ignored."""
+    total = 0
+    # Layout braces hold no `[`, so every `dtype[dims]` in the text is one array (dynamic dims print `<=`).
+    for dtype, dims in _ARRAY_SHAPE.findall(shape):
+        bits = _DTYPE_BITS.get(dtype)
+        if bits is None:
+            # f8e4m3fn, f8e5m2, f4e2m1fn, ...: the width is the number after the leading `f`.
+            width = re.match(r"f(\d+)e", dtype)
+            if width is None:
+                continue
+            bits = int(width.group(1))
+        # Bounded dynamic dims print as `<=16` (count the bound); unbounded `?` ones have no static size.
+        sizes = [d.strip().lstrip("<=") for d in dims.split(",") if d.strip()]
+        elems = math.prod(int(d) if d.isdigit() else 0 for d in sizes)
+        total += (elems * bits + 7) // 8
+    return total
+
+
+# ----------------------------------------------------------------------------- device groups
+
+
+def _parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
+    """The replica groups of a collective's attributes, as lists of device-assignment positions."""
+    at = attrs.find("replica_groups=")
+    if at < 0:
+        # No attribute means every device in one group.
+        return [list(range(num_devices))]
+    text = attrs[at + len("replica_groups=") :]
+    if text.startswith("{"):
+        body = text[: _matching(text, 0) + 1]
+        groups = [[int(x) for x in re.findall(r"\d+", g)] for g in re.findall(r"\{([^{}]*)\}", body[1:-1])]
+        return groups or [list(range(num_devices))]
+    if text.startswith("["):
+        iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+        return _iota_groups(iota.group(0)) if iota else None
+    if text.startswith("maximal_mesh"):
+        return None
+    if text.startswith("mesh"):
+        return _mesh_axes_groups(text)
+    return None
+
+
+def _iota_array(reshape_dims: Sequence[int], perm: Sequence[int] | None, dims: Sequence[int]) -> np.ndarray:
+    array = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
+    if perm is not None:
+        array = array.transpose(perm)
+    return array.reshape(dims)
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    """Rows of an iota replica-group list such as ``[4,2]<=[2,4]T(1,0)``."""
+    match = re.fullmatch(r"\s*\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if match is None:
+        raise ValueError(f"not an iota replica-group list: {text!r}")
+    dims = [int(x) for x in match.group(1).split(",")]
+    reshape = [int(x) for x in match.group(2).split(",")]
+    perm = [int(x) for x in match.group(3).split(",")] if match.group(3) else None
+    return _iota_array(reshape, perm, (dims[0], -1)).tolist()
+
+
+def _mesh_axes_groups(text: str) -> list[list[int]] | None:
+    """Groups of the mesh-axes form ``mesh['a'=2,'b'=4], device_ids=(...) {'b','a':(1)2}``."""
+    mesh_match = re.match(r"mesh\[([^\]]*)\]", text)
+    if mesh_match is None:
+        return None
+    names, sizes = [], []
+    for item in mesh_match.group(1).split(","):
+        name, _, size = item.rpartition("=")
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    rest = text[mesh_match.end() :]
+    devices = np.arange(math.prod(sizes))
+    ids = re.match(r"\s*,\s*device_ids=\(", rest)
+    if ids:
+        close = _matching(rest, ids.end() - 1)
+        devices = _device_ids(rest[ids.end() : close], sizes)
+        if devices is None:
+            return None
+        rest = rest[close + 1 :]
+    axes_match = re.match(r"\s*\{([^}]*)\}", rest)
+    if axes_match is None:
+        return None
+    refs: list[tuple[int, int, int]] = []  # (mesh dim, pre_size, size) of each grouped (sub-)axis, as listed
+    for ref in (r.strip() for r in axes_match.group(1).split(",")):
+        if not ref:
+            continue
+        sub = re.fullmatch(r"(.+?):\((\d+)\)(\d+)", ref)
+        name = (sub.group(1) if sub else ref).strip("'\"")
+        if name not in names:
+            return None
+        dim = names.index(name)
+        refs.append((dim, int(sub.group(2)), int(sub.group(3))) if sub else (dim, 1, sizes[dim]))
+    # Split each mesh dim into (padding, sub-axis, ...) factors, major to minor, then move the grouped factors
+    # last (in listed order) so that each row of the reshaped array is one group.
+    factor_sizes: list[int] = []
+    factor_of_ref: dict[int, int] = {}
+    for dim, size in enumerate(sizes):
+        covered = 1
+        on_dim = sorted((r for r in range(len(refs)) if refs[r][0] == dim), key=lambda r: refs[r][1])
+        for r in on_dim:
+            _, pre, sub_size = refs[r]
+            if pre != covered:
+                factor_sizes.append(pre // covered)
+            factor_of_ref[r] = len(factor_sizes)
+            factor_sizes.append(sub_size)
+            covered = pre * sub_size
+        if covered != size:
+            # A sub-axis `(pre)size` splits its dim major-to-minor as [pre, size, rest], as XLA does.
+            factor_sizes.append(size // covered)
+    grouped = [factor_of_ref[r] for r in range(len(refs))]
+    order = [f for f in range(len(factor_sizes)) if f not in grouped] + grouped
+    group_size = math.prod(factor_sizes[f] for f in grouped)
+    return devices.reshape(factor_sizes).transpose(order).reshape(-1, group_size).tolist()
+
+
+def _device_ids(text: str, sizes: Sequence[int]) -> np.ndarray | None:
+    """The mesh's device array from the inside of ``device_ids=(...)``: iota ``[2,2,2]T(0,2,1)`` or a list."""
+    iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if iota:
+        reshape = [int(x) for x in iota.group(1).split(",")]
+        perm = [int(x) for x in iota.group(2).split(",")] if iota.group(2) else None
+        if math.prod(reshape) != math.prod(sizes):
+            return None
+        return _iota_array(reshape, perm, sizes)
+    numbers = [int(x) for x in re.findall(r"\d+", re.sub(r"^\s*\[[\d,]+\]", "", text))]
+    return np.array(numbers).reshape(sizes) if len(numbers) == math.prod(sizes) else None
+
+
+def _parse_pairs(attrs: str) -> list[tuple[int, int]]:
+    at = attrs.find("source_target_pairs=")
+    if at < 0:
+        return []
+    text = attrs[at + len("source_target_pairs=") :]
+    body = text[: _matching(text, 0) + 1] if text.startswith("{") else ""
+    return [(int(s), int(t)) for s, t in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", body)]
+
+
+def _largest_component(pairs: Iterable[tuple[int, int]]) -> int:
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for s, t in pairs:
+        parent[find(s)] = find(t)
+    sizes: dict[int, int] = defaultdict(int)
+    for x in list(parent):
+        sizes[find(x)] += 1
+    return max(sizes.values(), default=2)
+
+
+def _coords(mesh: jax.sharding.Mesh | None, ids: Iterable[int]) -> dict[int, tuple[int, ...]] | None:
+    # HLO device numbers are positions in the device assignment, i.e. in mesh.devices.flat; see module doc.
+    if mesh is None or getattr(mesh, "devices", None) is None:
+        return None
+    shape = mesh.devices.shape
+    ids = list(ids)
+    if any(i >= mesh.devices.size for i in ids):
+        return None
+    return {i: tuple(int(c) for c in np.unravel_index(i, shape)) for i in ids}
+
+
+def _axes_of_groups(groups: list[list[int]], mesh: jax.sharding.Mesh | None) -> tuple[str, ...]:
+    coords = _coords(mesh, {i for g in groups for i in g})
+    if coords is None or mesh is None:
+        return ()
+    varying = {d for g in groups for d in range(len(mesh.axis_names)) if len({coords[i][d] for i in g}) > 1}
+    return tuple(name for d, name in enumerate(mesh.axis_names) if d in varying)
+
+
+def _axes_of_pairs(pairs: list[tuple[int, int]], mesh: jax.sharding.Mesh | None) -> tuple[str, ...]:
+    coords = _coords(mesh, {i for p in pairs for i in p})
+    if coords is None or mesh is None:
+        return ()
+    varying = {d for s, t in pairs for d in range(len(mesh.axis_names)) if coords[s][d] != coords[t][d]}
+    return tuple(name for d, name in enumerate(mesh.axis_names) if d in varying)

@@ -1,0 +1,83 @@
+"""Walking pytrees of arrays, abstract arrays and flax boxes with readable "/"-joined paths."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of a tree, seen abstractly: where it is, its shape and dtype, and its logical names."""
+
+    keys: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    names: tuple[str | None, ...] | None  # logical axis names from a flax/nnx annotation, if any
+
+    @property
+    def path(self) -> str:
+        return "/".join(self.keys)
+
+
+def is_box(x: Any) -> bool:
+    """Flax metadata boxes and nnx Variables are treated as one array each."""
+    return isinstance(x, (nn.meta.AxisMetadata, nnx.Variable))
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _names(box: Any) -> tuple[str | None, ...] | None:
+    if isinstance(box, nn.meta.AxisMetadata):
+        names = getattr(box, "names", None)
+    else:
+        meta = box.get_metadata()
+        names = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    return None if names is None else tuple(names)
+
+
+def _value(x: Any) -> Any:
+    if isinstance(x, nn.meta.AxisMetadata):
+        return x.unbox()
+    if isinstance(x, nnx.Variable):
+        return x.get_value() if hasattr(x, "get_value") else x.value
+    return x
+
+
+def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
+    """Flattens ``tree`` (boxes count as leaves) into :class:`Leaf` records and the treedef to rebuild it."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
+    leaves = []
+    for path, x in flat:
+        value = _value(x)
+        shape = tuple(int(d) for d in np.shape(value))
+        dtype = np.dtype(getattr(value, "dtype", None) or np.result_type(value))
+        names = _names(x) if is_box(x) else None
+        if names is not None and len(names) != len(shape):
+            keys = "/".join(_key(k) for k in path)
+            raise ValueError(f"{keys}: annotation names {names} do not match its shape {shape}")
+        leaves.append(
+            Leaf(
+                keys=tuple(_key(k) for k in path),
+                shape=shape,
+                dtype=dtype.name,
+                nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                names=names,
+            )
+        )
+    return leaves, treedef
+
+
+def rebuild(treedef: Any, leaves: list[Any]) -> Any:
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -1,0 +1,369 @@
+"""Language models for spmd, behind one handle: :class:`Model` maps int32 tokens to logits.
+
+Every model maps int32 tokens ``[batch, seq]`` to float logits ``[batch, seq, vocab]`` and is handled
+through a :class:`Model`:
+
+- ``model.init(key)`` -> the *annotated* parameter tree: a plain nested dict ``{"params": {...}}`` whose
+  annotated leaves are flax ``nn.LogicallyPartitioned(value, names)`` boxes (one logical axis name per
+  dimension, e.g. ``("embed", "mlp")``; stacked layers start with ``"layers"``) and whose other leaves are
+  plain arrays. ``init`` is pure, so ``jax.eval_shape(model.init, key)`` gives shapes and names without
+  allocating anything, and ``jax.jit(model.init, out_shardings=...)`` creates parameters already in place.
+  nnx models are converted to this same form (names from each Variable's ``out_sharding`` metadata).
+- ``model.apply(params, tokens)`` -> logits, with ``params`` the same tree with boxes replaced by their
+  values (:func:`unbox`); boxed trees are accepted too.
+- :func:`loss_fn` gives the mean next-token cross-entropy in float32.
+
+Built-in models (:data:`BUILTIN`, by name through :func:`get`; keyword overrides are :class:`LMConfig`
+fields): ``"mlp"`` (per-token MLP), ``"gpt-tiny"`` / ``"gpt-tiny-nnx"`` (8 layers, d_model 64, 4 heads,
+mlp 256, vocab 256, seq 32) and ``"gpt-small"`` / ``"gpt-small-nnx"`` (8 layers, d_model 512, 8 heads,
+mlp 2048, vocab 8192, seq 128; about 34M parameters, three quarters of them in the blocks).
+
+Your own model: ``get("package.module:factory", **overrides)`` (the CLI's ``--model package.module:factory``)
+imports ``package.module`` and calls ``factory(**overrides)``, which returns one of
+
+1. a :class:`spmd.models.Model` - used as is;
+2. a flax linen ``nn.Module`` instance mapping int32 tokens ``[batch, seq]`` to logits
+   ``[batch, seq, vocab]``; its params may be annotated (``nn.with_logical_partitioning``) or plain arrays
+   (a plan then decides their layout by shape alone). It must need no collection and no rng but
+   ``"params"``;
+3. a callable ``(rngs: nnx.Rngs) -> nnx.Module`` (e.g. the module class, or ``lambda rngs: MyLM(cfg,
+   rngs=rngs)``) building an nnx module with the same token -> logits contract, whose state is all
+   ``nnx.Param`` (annotate with ``nnx.with_partitioning``). It is built under
+   ``nnx.use_eager_sharding(False)`` and must be traceable (``nnx.eval_shape``): no Python decisions on
+   random values.
+
+Cases 2 and 3 are wrapped with :func:`from_module`, which reads ``vocab`` and ``seq_len`` (used to check
+the output shape and to make example tokens) from the overrides, else from :class:`LMConfig`'s defaults.
+
+>>> import jax
+>>> model = get("gpt-tiny", layers=2)
+>>> params = jax.eval_shape(model.init, jax.random.key(0))  # shapes and names, nothing allocated
+>>> params["params"]["layers"]["mlp"]["wi"]["kernel"].names
+('layers', 'embed', 'mlp')
+>>> tokens = jax.ShapeDtypeStruct((4, 32), jax.numpy.int32)
+>>> jax.eval_shape(model.apply, unbox(params), tokens).shape
+(4, 32, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import nnx
+
+from spmd.models.config import LMConfig
+
+__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "unbox"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A language model: int32 tokens ``[batch, seq]`` -> logits ``[batch, seq, vocab]``.
+
+    Attributes:
+        name: registry name (or ``"package.module:factory"`` for a user model).
+        kind: ``"linen"`` or ``"nnx"``: which flax API the model is written in.
+        config: sizes; for user modules only ``vocab`` and ``seq_len`` are meaningful.
+        init: rng key -> annotated params tree (see the module docstring); pure and ``eval_shape``-able.
+        apply: (params, tokens) -> logits; params unboxed (boxed also accepted).
+    """
+
+    name: str
+    kind: str
+    config: LMConfig
+    init: Callable[[jax.Array], Any]
+    apply: Callable[[Any, jax.Array], jax.Array]
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def unbox(tree: Any) -> Any:
+    """Replaces every flax metadata box (``nn.LogicallyPartitioned``, ``nn.Partitioned``, ...) by its value.
+
+    Unlike ``nn.meta.unbox`` this never adds a sharding constraint (which flax does when a global mesh is
+    set), so it is a pure change of container that is safe anywhere, inside or outside ``jit``.
+
+    >>> tree = {"w": nn.LogicallyPartitioned(jnp.ones(2), ("embed",)), "b": jnp.zeros(2)}
+    >>> unbox(tree)["w"]
+    Array([1., 1.], dtype=float32)
+    """
+
+    def value(box: Any) -> Any:
+        if not _is_box(box):
+            return box
+        inner = box.value if isinstance(box, nn.Partitioned) else box.unbox()
+        return unbox(inner)
+
+    return jax.tree.map(value, tree, is_leaf=_is_box)
+
+
+def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]:
+    """``loss(params, batch)``: mean next-token cross-entropy of ``model`` in float32.
+
+    ``batch["tokens"]`` is int32 ``[batch, seq]``; logits at positions ``0..seq-2`` are scored against the
+    tokens at ``1..seq-1``.
+
+    >>> import numpy as np
+    >>> from spmd import data
+    >>> model = get("mlp")
+    >>> params = unbox(jax.jit(model.init)(jax.random.key(0)))
+    >>> loss = jax.jit(loss_fn(model))(params, data.batch(0, 0, 8, 32, 256))
+    >>> bool(abs(loss - np.log(256)) < 0.5)  # untrained: close to uniform over the vocabulary
+    True
+    """
+
+    def loss(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
+        tokens = batch["tokens"]
+        logits = model.apply(params, tokens)
+        # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
+        # prediction, which has no target.
+        logits = logits[:, :-1].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss
+
+
+def _example_tokens(config: LMConfig) -> jax.Array:
+    return jnp.zeros((1, config.seq_len), jnp.int32)
+
+
+def _from_linen(module: nn.Module, name: str, config: LMConfig) -> Model:
+    def init(rng: jax.Array) -> Any:
+        variables = flax.core.unfreeze(module.init({"params": rng}, _example_tokens(config)))
+        extra = sorted(set(variables) - {"params"})
+        if extra:
+            raise ValueError(
+                f"model {name!r}: init created variable collections {extra} besides 'params'; spmd models "
+                "must be stateless apart from their params (no batch_stats, caches, ...)"
+            )
+        return dict(variables)
+
+    def apply(params: Any, tokens: jax.Array) -> jax.Array:
+        # Unbox first: linen would otherwise unbox through nn.meta.unbox and add sharding constraints.
+        return module.apply(unbox(params), tokens)
+
+    return Model(name=name, kind="linen", config=config, init=init, apply=apply)
+
+
+def _names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    metadata = variable.get_metadata()
+    # flax 0.12 stores nnx.with_partitioning's names as out_sharding; older releases used sharding(_names).
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        names = metadata.get(key)
+        if names:
+            return tuple(names)
+    return None
+
+
+def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConfig) -> Model:
+    def construct(rng: jax.Array) -> nnx.Module:
+        # A default stream serves every stream name a module may ask for (params, dropout, ...).
+        with nnx.use_eager_sharding(False):
+            module = build(nnx.Rngs(rng))
+        if not isinstance(module, nnx.Module):
+            raise TypeError(f"model {name!r}: the nnx constructor returned {type(module).__name__}, not an nnx.Module")
+        return module
+
+    # Graph structure and abstract params once, from shapes only; init and apply reuse them.
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: construct(jax.random.key(0)))
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    rest_paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(rest)]
+    if rest_paths:
+        raise ValueError(
+            f"model {name!r}: spmd nnx models must hold only nnx.Param state, found other variables at "
+            f"{rest_paths[:8]} (e.g. stored nnx.Rngs, dropout rng streams or batch statistics)"
+        )
+    abstract_flat = list(nnx.to_flat_state(abstract_params))
+
+    def init(rng: jax.Array) -> Any:
+        params = nnx.state(construct(rng), nnx.Param)
+        tree: dict = {}
+        for path, variable in nnx.to_flat_state(params):
+            value = variable.get_value()
+            names = _names(variable)
+            node = tree
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = nn.LogicallyPartitioned(value, names) if names is not None else value
+        return {"params": tree}
+
+    def apply(params: Any, tokens: jax.Array) -> jax.Array:
+        values = unbox(params)["params"]
+        flat = []
+        for path, variable in abstract_flat:
+            node = values
+            for key in path:
+                node = node[key]
+            # New Variables with the abstract ones' metadata: the shared abstract state is never mutated.
+            flat.append((path, variable.replace(node)))
+        with nnx.use_eager_sharding(False):
+            module = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        return module(tokens)
+
+    return Model(name=name, kind="nnx", config=config, init=init, apply=apply)
+
+
+def _check_contract(model: Model) -> None:
+    """Traces (never runs) init and apply: a user model that breaks the contract fails early and clearly."""
+    c = model.config
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((2, c.seq_len), jnp.int32)
+    logits = jax.eval_shape(model.apply, unbox(params), tokens)
+    expected = (2, c.seq_len, c.vocab)
+    if getattr(logits, "shape", None) != expected or not jnp.issubdtype(logits.dtype, jnp.floating):
+        got = getattr(logits, "shape", type(logits).__name__)
+        raise ValueError(
+            f"model {model.name!r}: int32 tokens of shape {tokens.shape} gave {got}, expected float logits "
+            f"of shape {expected} (vocab={c.vocab}, seq_len={c.seq_len}; override them if yours differ)"
+        )
+
+
+def from_module(module: Any, *, name: str, config: LMConfig, check: bool = True) -> Model:
+    """Wraps a linen module instance, or an nnx constructor ``(rngs) -> nnx.Module``, as a :class:`Model`.
+
+    ``config.seq_len`` sets the example tokens used for init and ``config.vocab`` the logits width that
+    ``check`` (tracing init and apply on shapes only) verifies.
+
+    >>> class Bigram(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, tokens):
+    ...         return nn.Embed(256, 256)(tokens)
+    >>> model = from_module(Bigram(), name="bigram", config=LMConfig())
+    >>> model.kind, jax.eval_shape(model.init, jax.random.key(0))["params"]["Embed_0"]["embedding"].shape
+    ('linen', (256, 256))
+    """
+    if isinstance(module, nn.Module):
+        model = _from_linen(module, name, config)
+    elif isinstance(module, nnx.Module):
+        raise TypeError(
+            f"model {name!r}: got a built nnx.Module; give a constructor instead, e.g. "
+            f"`lambda rngs: {type(module).__name__}(..., rngs=rngs)`, so spmd can create (and place) fresh "
+            "parameters from a key"
+        )
+    elif callable(module):
+        model = _from_nnx(module, name, config)
+    else:
+        raise TypeError(
+            f"model {name!r}: expected a flax linen nn.Module instance or a callable (rngs) -> nnx.Module, "
+            f"got {type(module).__name__}"
+        )
+    if check:
+        _check_contract(model)
+    return model
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
+
+
+def _config(name: str, defaults: LMConfig, overrides: Mapping[str, Any]) -> LMConfig:
+    unknown = sorted(set(overrides) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"model {name!r}: unknown option(s) {unknown}; LMConfig fields are {list(_FIELDS)}")
+    return dataclasses.replace(defaults, **overrides)
+
+
+TINY = LMConfig()
+SMALL = LMConfig(vocab=8192, seq_len=128, d_model=512, heads=8, mlp=2048, layers=8)
+
+
+def _linen_factory(name: str, defaults: LMConfig, make: Callable[[LMConfig], nn.Module]) -> Callable[..., Model]:
+    def factory(**overrides: Any) -> Model:
+        config = _config(name, defaults, overrides)
+        return from_module(make(config), name=name, config=config, check=False)
+
+    factory.__doc__ = f"The built-in {name!r} model (linen); keyword overrides are LMConfig fields."
+    return factory
+
+
+def _nnx_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
+    def factory(**overrides: Any) -> Model:
+        from spmd.models.gpt_nnx import GPT
+
+        config = _config(name, defaults, overrides)
+        return from_module(lambda rngs: GPT(config, rngs=rngs), name=name, config=config, check=False)
+
+    factory.__doc__ = f"The built-in {name!r} model (nnx); keyword overrides are LMConfig fields."
+    return factory
+
+
+def _gpt(config: LMConfig) -> nn.Module:
+    from spmd.models.gpt import GPT
+
+    return GPT(config)
+
+
+def _mlp(config: LMConfig) -> nn.Module:
+    from spmd.models.mlp import MlpLM
+
+    return MlpLM(config)
+
+
+BUILTIN: dict[str, Callable[..., Model]] = {
+    "mlp": _linen_factory("mlp", TINY, _mlp),
+    "gpt-tiny": _linen_factory("gpt-tiny", TINY, _gpt),
+    "gpt-tiny-nnx": _nnx_factory("gpt-tiny-nnx", TINY),
+    "gpt-small": _linen_factory("gpt-small", SMALL, _gpt),
+    "gpt-small-nnx": _nnx_factory("gpt-small-nnx", SMALL),
+}
+
+
+def _user_factory(spec: str) -> Callable[..., Any]:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--model {spec!r}: expected a built-in name or 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any failure while importing user code (ImportError, SyntaxError, ...)
+        raise ValueError(
+            f"could not import {module_name!r} for --model {spec!r}: {type(e).__name__}: {e}; "
+            "check that it is installed or on PYTHONPATH (e.g. run from the directory that contains it)"
+        ) from e
+    try:
+        factory = functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ValueError(
+            f"module {module_name!r} has no attribute {attribute!r} (for --model {spec!r}); it defines {public[:20]}"
+        ) from None
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {attribute!r} is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def get(name: str, **overrides: Any) -> Model:
+    """The model called ``name``: a :data:`BUILTIN` name, or ``"package.module:factory"`` (module docstring).
+
+    ``overrides`` are :class:`LMConfig` fields for built-ins (e.g. ``layers=4``); a user factory receives
+    them all as keyword arguments.
+
+    >>> get("gpt-tiny", layers=2).config.layers
+    2
+    >>> get("gpt-huge")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown model 'gpt-huge'; known models: gpt-small, gpt-small-nnx, gpt-tiny, gpt-tiny-nnx, mlp, or 'package.module:factory' for your own
+    """  # noqa: E501
+    if name in BUILTIN:
+        return BUILTIN[name](**overrides)
+    if ":" not in name:
+        raise ValueError(
+            f"unknown model {name!r}; known models: {', '.join(sorted(BUILTIN))}, "
+            "or 'package.module:factory' for your own"
+        )
+    result = _user_factory(name)(**overrides)
+    if isinstance(result, Model):
+        return result
+    config = LMConfig(**{k: v for k, v in overrides.items() if k in _FIELDS})
+    return from_module(result, name=name, config=config)

@@ -1,0 +1,214 @@
+"""A GPT in flax linen: pre-LayerNorm blocks, causal self-attention, GELU MLP, learned positions.
+
+Every parameter carries logical axis names (``nn.with_logical_partitioning``) so a plan can map them to
+mesh axes; the blocks are stacked with ``nn.scan`` (compile time independent of depth), which prepends
+``"layers"`` to the names of every stacked parameter. Parameter paths::
+
+    params/embed/embedding             (vocab, embed)
+    params/pos_embed/embedding         (position, embed)
+    params/layers/ln1/{scale,bias}     (layers, embed)
+    params/layers/attn/query/kernel    (layers, embed, heads, head_dim)     likewise key, value
+    params/layers/attn/out/kernel      (layers, heads, head_dim, embed)
+    params/layers/ln2/{scale,bias}     (layers, embed)
+    params/layers/mlp/wi/kernel        (layers, embed, mlp)
+    params/layers/mlp/wo/kernel        (layers, mlp, embed)
+    params/ln_f/{scale,bias}           (embed,)
+    params/lm_head/kernel              (embed, vocab)
+
+>>> import jax
+>>> from spmd.models.config import LMConfig
+>>> model = GPT(LMConfig(layers=2))
+>>> tokens = jax.numpy.zeros((2, 32), jax.numpy.int32)
+>>> params = jax.eval_shape(model.init, jax.random.key(0), tokens)
+>>> box = params["params"]["layers"]["attn"]["query"]["kernel"]
+>>> box.names, box.value.shape
+(('layers', 'embed', 'heads', 'head_dim'), (2, 64, 4, 16))
+>>> jax.eval_shape(model.apply, params, tokens).shape
+(2, 32, 256)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from spmd._context import constrain
+from spmd.models.config import LMConfig
+
+__all__ = ["GPT", "causal_attention", "EMBED_INIT", "DENSE_INIT"]
+
+# Logical names of activations at block boundaries (see spmd._context.constrain).
+RESIDUAL = ("batch", "seq", "embed")
+HEADS = ("batch", "seq", "heads", "head_dim")
+HIDDEN = ("batch", "seq", "mlp")
+LOGITS = ("batch", "seq", "vocab")
+
+# GPT-2's small embedding init keeps the residual stream O(1) at the start; Dense kernels use flax's default
+# lecun_normal, which the pre-LayerNorm blocks make safe at any depth we build.
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+DENSE_INIT = nn.initializers.lecun_normal()
+
+
+def _named(init: Callable, names: Sequence[str]) -> Callable:
+    return nn.with_logical_partitioning(init, tuple(names))
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention over ``[batch, seq, heads, head_dim]`` inputs; scores and softmax in float32.
+
+    >>> x = jnp.ones((1, 3, 2, 4))
+    >>> causal_attention(x, x, x).shape
+    (1, 3, 2, 4)
+    """
+    seq = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    # finfo.min rather than -inf: a fully masked row cannot happen here, but -inf would turn one into NaNs.
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=1e-6,
+        dtype=config.dtype,
+        param_dtype=jnp.float32,
+        scale_init=_named(nn.initializers.ones, ("embed",)),
+        bias_init=_named(nn.initializers.zeros, ("embed",)),
+        name=name,
+    )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with ``query``/``key``/``value``/``out`` projections, no biases."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+
+        def project(name: str) -> jax.Array:
+            dense = nn.DenseGeneral(
+                features=(c.heads, c.head_dim),
+                use_bias=False,
+                dtype=c.dtype,
+                param_dtype=jnp.float32,
+                kernel_init=_named(DENSE_INIT, ("embed", "heads", "head_dim")),
+                name=name,
+            )
+            return constrain(dense(x), HEADS)
+
+        q, k, v = project("query"), project("key"), project("value")
+        y = constrain(causal_attention(q, k, v), HEADS)
+        return nn.DenseGeneral(
+            features=c.d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("heads", "head_dim", "embed")),
+            name="out",
+        )(y)
+
+
+class Mlp(nn.Module):
+    """The feed-forward half of a block: ``wi`` -> GELU -> ``wo``, no biases."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        h = nn.Dense(
+            c.mlp,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("embed", "mlp")),
+            name="wi",
+        )(x)
+        h = constrain(nn.gelu(h), HIDDEN)
+        return nn.Dense(
+            c.d_model,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("mlp", "embed")),
+            name="wo",
+        )(h)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block; returns ``(x, None)`` so ``nn.scan`` can carry ``x``."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
+        c = self.config
+        x = constrain(x + CausalSelfAttention(c, name="attn")(_layer_norm(c, "ln1")(x)), RESIDUAL)
+        x = constrain(x + Mlp(c, name="mlp")(_layer_norm(c, "ln2")(x)), RESIDUAL)
+        return x, None
+
+
+class GPT(nn.Module):
+    """int32 tokens ``[batch, seq]`` (``seq <= config.seq_len``) -> logits ``[batch, seq, vocab]``."""
+
+    config: LMConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        seq = tokens.shape[-1]
+        if seq > c.seq_len:
+            # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
+            raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
+        x = nn.Embed(
+            c.vocab,
+            c.d_model,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+            name="embed",
+        )(tokens)
+        positions = nn.Embed(
+            c.seq_len,
+            c.d_model,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=_named(EMBED_INIT, ("position", "embed")),
+            name="pos_embed",
+        )(jnp.arange(seq))
+        x = constrain(x + positions[None], RESIDUAL)
+
+        block = Block
+        if c.remat:
+            # Remat before scan: each scanned step recomputes its activations in the backward pass.
+            # prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation.
+            block = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=c.layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = stack(c, name="layers")(x)
+
+        x = _layer_norm(c, "ln_f")(x)
+        logits = nn.Dense(
+            c.vocab,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+            name="lm_head",
+        )(x)
+        return constrain(logits, LOGITS)

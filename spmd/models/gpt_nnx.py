@@ -1,0 +1,195 @@
+"""The same GPT as :mod:`spmd.models.gpt`, in flax nnx: same parameter paths, shapes and logical names.
+
+Logical names go through ``nnx.with_partitioning`` into each Variable's ``out_sharding`` metadata. The
+blocks are created with ``nnx.vmap`` (``transform_metadata`` prepends ``"layers"`` to their names, and
+every stacked parameter gets a leading axis of size ``layers``) and run with ``nnx.scan``.
+
+flax 0.12 shards annotated Variables eagerly when they are created and raises without a mesh, so build the
+model (``nnx.eval_shape`` included) under ``nnx.use_eager_sharding(False)``; spmd places parameters itself.
+
+>>> import jax
+>>> from flax import nnx
+>>> from spmd.models.config import LMConfig
+>>> with nnx.use_eager_sharding(False):
+...     model = nnx.eval_shape(lambda: GPT(LMConfig(layers=2), rngs=nnx.Rngs(0)))
+>>> kernel = model.layers.attn.query.kernel
+>>> kernel.shape, kernel.get_metadata()["out_sharding"]
+((2, 64, 4, 16), ('layers', 'embed', 'heads', 'head_dim'))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmd._context import constrain
+from spmd.models.config import LMConfig
+from spmd.models.gpt import DENSE_INIT, EMBED_INIT, HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention
+
+__all__ = ["GPT"]
+
+
+def _named(init: Callable, names: Sequence[str]) -> Callable:
+    return nnx.with_partitioning(init, tuple(names))
+
+
+def _layer_norm(config: LMConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        config.d_model,
+        epsilon=1e-6,
+        dtype=config.dtype,
+        param_dtype=jnp.float32,
+        scale_init=_named(nnx.initializers.ones, ("embed",)),
+        bias_init=_named(nnx.initializers.zeros, ("embed",)),
+        rngs=rngs,
+    )
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head causal self-attention with ``query``/``key``/``value``/``out`` projections, no biases."""
+
+    def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+        c = config
+
+        def project() -> nnx.LinearGeneral:
+            return nnx.LinearGeneral(
+                c.d_model,
+                (c.heads, c.head_dim),
+                use_bias=False,
+                dtype=c.dtype,
+                param_dtype=jnp.float32,
+                kernel_init=_named(DENSE_INIT, ("embed", "heads", "head_dim")),
+                rngs=rngs,
+            )
+
+        self.query, self.key, self.value = project(), project(), project()
+        self.out = nnx.LinearGeneral(
+            (c.heads, c.head_dim),
+            c.d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("heads", "head_dim", "embed")),
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q = constrain(self.query(x), HEADS)
+        k = constrain(self.key(x), HEADS)
+        v = constrain(self.value(x), HEADS)
+        return self.out(constrain(causal_attention(q, k, v), HEADS))
+
+
+class Mlp(nnx.Module):
+    """The feed-forward half of a block: ``wi`` -> GELU -> ``wo``, no biases."""
+
+    def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.wi = nnx.Linear(
+            c.d_model,
+            c.mlp,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("embed", "mlp")),
+            rngs=rngs,
+        )
+        self.wo = nnx.Linear(
+            c.mlp,
+            c.d_model,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("mlp", "embed")),
+            rngs=rngs,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.wo(constrain(nnx.gelu(self.wi(x)), HIDDEN))
+
+
+class Block(nnx.Module):
+    """One pre-LayerNorm transformer block."""
+
+    def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+        self.ln1 = _layer_norm(config, rngs)
+        self.attn = CausalSelfAttention(config, rngs=rngs)
+        self.ln2 = _layer_norm(config, rngs)
+        self.mlp = Mlp(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = constrain(x + self.attn(self.ln1(x)), RESIDUAL)
+        return constrain(x + self.mlp(self.ln2(x)), RESIDUAL)
+
+
+def _run_block(x: jax.Array, block: Block) -> jax.Array:
+    return block(x)
+
+
+# The same metadata transform as at creation, so inside the scan body the per-layer Variables' names
+# drop the leading "layers" together with the leading axis.
+_LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}
+_scan_blocks = nnx.scan(_run_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
+# Remat inside the scan body: each scanned step recomputes its activations in the backward pass
+# (prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation).
+_scan_blocks_remat = nnx.scan(
+    nnx.remat(_run_block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False),
+    in_axes=(nnx.Carry, 0),
+    out_axes=nnx.Carry,
+    transform_metadata=_LAYERS_AXIS,
+)
+
+
+class GPT(nnx.Module):
+    """int32 tokens ``[batch, seq]`` (``seq <= config.seq_len``) -> logits ``[batch, seq, vocab]``."""
+
+    def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        self.embed = nnx.Embed(
+            c.vocab,
+            c.d_model,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.pos_embed = nnx.Embed(
+            c.seq_len,
+            c.d_model,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=_named(EMBED_INIT, ("position", "embed")),
+            rngs=rngs,
+        )
+
+        # One Block per layer, stacked along a new leading axis; split_rngs gives each its own key.
+        @nnx.split_rngs(splits=c.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS_AXIS)
+        def make_layers(rngs: nnx.Rngs) -> Block:
+            return Block(c, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.ln_f = _layer_norm(c, rngs)
+        self.lm_head = nnx.Linear(
+            c.d_model,
+            c.vocab,
+            use_bias=False,
+            dtype=c.dtype,
+            param_dtype=jnp.float32,
+            kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+            rngs=rngs,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        seq = tokens.shape[-1]
+        if seq > c.seq_len:
+            # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
+            raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
+        x = constrain(self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None], RESIDUAL)
+        x = (_scan_blocks_remat if c.remat else _scan_blocks)(x, self.layers)
+        return constrain(self.lm_head(self.ln_f(x)), LOGITS)

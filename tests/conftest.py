@@ -1,0 +1,22 @@
+import jax
+
+# Eight emulated CPU devices for every test; must happen before JAX's backend starts.
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+import numpy as np  # noqa: E402
+
+# Adam divides each update by its own running scale, so reduction-order noise in a near-zero gradient can move a
+# parameter by a fraction of the learning rate: parameters are compared with an absolute floor of 1e-5.
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
+
+
+def assert_trees_close(actual, desired, rtol=PARAM_RTOL, atol=PARAM_ATOL, *, relative_to_max=False):
+    """Leaf-wise allclose; ``relative_to_max`` scales atol by each leaf's largest magnitude (for gradient
+    moments, where one gradient entry summed with cancellation carries noise relative to the others' size)."""
+    a, b = jax.tree.leaves(actual), jax.tree.leaves(desired)
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        tol = atol * max(float(np.max(np.abs(y), initial=0)), 1e-30) if relative_to_max else atol
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=tol)

@@ -1,0 +1,153 @@
+"""The command line: the JSON contract, the demo end to end, and one clear line for every user mistake."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spmd import cli
+
+MESH = ["--mesh", "data=2,fsdp=2,tensor=2"]
+
+
+def run_cli(capsys, *args):
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def plan_json():
+    # Run in-process once for the module; the suite's 8 devices are already up.
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(["plan", "--model", "gpt-tiny", *MESH, "--strategy", "dp+fsdp+tp", "--json", "--layers", "2"])
+    assert code == 0
+    return json.loads(buf.getvalue())
+
+
+def test_plan_json_contract(plan_json):
+    assert plan_json["mesh"]["axes"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    row = next(r for r in plan_json["params"] if r["path"] == "params/layers/mlp/wi/kernel")
+    assert row["shape"] == [2, 64, 256] and row["dtype"] == "float32"
+    assert row["spec"] == [None, "fsdp", "tensor"]
+    assert row["bytes_per_device"] == 2 * 64 * 256 * 4 // 4
+    pd = plan_json["per_device_bytes"]
+    assert pd["total"] == pd["params"] + pd["grads"] + pd["optimizer"]
+    assert pd["params"] == sum(r["bytes_per_device"] for r in plan_json["params"])
+    assert {"argument_bytes", "temp_bytes", "output_bytes"} <= set(plan_json["compiled_memory"])
+    kinds = {c["kind"] for c in plan_json["collectives"]}
+    assert "all-reduce" in kinds and "all-gather" in kinds
+    for c in plan_json["collectives"]:
+        assert {"kind", "count", "bytes", "traffic_bytes", "axes"} <= set(c)
+        assert set(c["axes"]) <= {"data", "fsdp", "tensor"} and c["count"] >= 1
+    # The tensor-parallel all-reduces of activations run over the tensor axis.
+    assert any(c["kind"] == "all-reduce" and c["axes"] == ["tensor"] for c in plan_json["collectives"])
+
+
+def test_run_check_json_matches_one_device(capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "run",
+        "--model",
+        "gpt-tiny",
+        "--layers",
+        "2",
+        *MESH,
+        "--strategy",
+        "dp+fsdp+tp",
+        "--steps",
+        "3",
+        "--check",
+        "--json",
+    )
+    assert code == 0
+    j = json.loads(out)
+    assert len(j["losses"]) == 3 and len(j["reference_losses"]) == 3
+    assert j["max_abs_diff"] <= 1e-4
+    assert j["losses"][-1] < j["losses"][0]
+
+
+def test_run_with_a_user_factory(capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "run",
+        "--model",
+        "tests.test_third_party_lm:factory",
+        "--mesh",
+        "fsdp=8",
+        "--strategy",
+        "fsdp",
+        "--steps",
+        "2",
+        "--json",
+    )
+    assert code == 0, out
+    assert len(json.loads(out)["losses"]) == 2
+
+
+BAD = [
+    (["plan", "--mesh", "data=5", "--strategy", "dp"], r"mesh data=5 needs 5 devices but 8 are present"),
+    (
+        ["plan", "--mesh", "data=8", "--strategy", "nope"],
+        r"unknown strategy 'nope'; choose from dp, fsdp, tp",
+    ),
+    (
+        ["plan", "--mesh", "data=8", "--strategy", "tp"],
+        r"tensor_parallel uses mesh axis 'tensor', but the mesh has",
+    ),
+    (["plan", "--mesh", "data=2,data=4"], r"axis 'data' appears twice"),
+    (["plan", "--mesh", "data:8"], r"cannot read 'data:8'"),
+    (["plan", "--mesh", "data=-2,fsdp=4"], r"axis 'data' has size -2"),
+    (["plan", "--model", "gpt-huge"], r"unknown model 'gpt-huge'"),
+    (["plan", "--model", "no_such_pkg.mod:make"], r"could not import 'no_such_pkg.mod'"),
+    (["run", "--steps", "0"], r"--steps must be a positive integer, got 0"),
+    (["run", "--steps", "-3"], r"--steps must be a positive integer, got -3"),
+    (
+        ["plan", "--mesh", "data=8", "--batch-size", "12"],
+        r"batch of shape \(12, 32\) cannot be split .* \(8 ways\)",
+    ),
+    (["plan", "--frobnicate"], r"unrecognized arguments: --frobnicate"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_user_mistakes_exit_2_with_one_line(capsys, args, message):
+    import re
+
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spmd: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+def test_non_divisible_tensor_split_names_path_and_ways_out(capsys):
+    # 4 heads cannot be split 8 ways: the error names the array, the axis, and the two fixes.
+    code, _, err = run_cli(capsys, "plan", "--mesh", "tensor=8", "--strategy", "tp", "--layers", "1")
+    assert code == 2
+    assert "params/layers/attn/key/kernel" in err and "not divisible by mesh axes ('tensor',) of size 8" in err
+    assert "allow_replication" in err
+
+
+def test_demo_end_to_end_in_a_subprocess():
+    """The README's main command, as a user runs it."""
+    r = subprocess.run(
+        [sys.executable, "-m", "spmd", "demo", "--steps", "4"], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    for expected in (
+        "Plan on mesh data=2 × fsdp=2 × tensor=2",
+        "Memory per device",
+        "Collectives the compiler",
+        "summary",
+        "sharded how",
+        "matches the single-device run",
+    ):
+        assert expected in out, expected

@@ -1,0 +1,288 @@
+"""spmd._hlo: collectives read from compiled HLO text, checked on small real programs over 8 CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd._hlo import (
+    Collective,
+    _iota_groups,
+    _mesh_axes_groups,
+    _parse_groups,
+    _shape_bytes,
+    collectives,
+)
+
+AXES = ("data", "fsdp", "tensor")
+F32_16x32 = 16 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Mesh:
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py emulates them on CPU)")
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), AXES)
+
+
+def _hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _shard_map(mesh: Mesh, f, in_specs, out_specs):
+    # check_vma off: the tests want the exact collective written, not replication inference.
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _ops(mesh: Mesh, f, in_specs, out_specs, *args) -> list[Collective]:
+    return collectives(_hlo(_shard_map(mesh, f, in_specs, out_specs), *args), mesh)
+
+
+# ----------------------------------------------------------------------------------- real programs
+
+
+def test_psum_axes_are_the_ones_named(mesh: Mesh) -> None:
+    x = jnp.ones((16, 32), jnp.float32)
+    over_data = _ops(mesh, lambda a: lax.psum(a, "data"), P(), P(), x)
+    over_two = _ops(mesh, lambda a: lax.psum(a, ("fsdp", "tensor")), P(), P(), x)
+    assert over_data == [Collective("all-reduce", ("data",), 2, 1, F32_16x32, F32_16x32)]
+    # Ring all-reduce over 4 devices sends 2*(4-1)/4 of the buffer.
+    assert over_two == [Collective("all-reduce", ("fsdp", "tensor"), 4, 1, F32_16x32, F32_16x32 * 3 // 2)]
+
+
+def test_each_kind_from_shard_map(mesh: Mesh) -> None:
+    x = jnp.ones((16, 32), jnp.float32)
+    gather = _ops(mesh, lambda a: lax.all_gather(a, "tensor", tiled=True), P("tensor"), P(), x)
+    scatter = _ops(mesh, lambda a: lax.psum_scatter(a, "fsdp", tiled=True), P(), P("fsdp"), x)
+    to_all = _ops(mesh, lambda a: lax.all_to_all(a, "data", 0, 1, tiled=True), P(), P(), x)
+    swap = _ops(mesh, lambda a: lax.ppermute(a, "data", [(0, 1), (1, 0)]), P(), P(), x)
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    ring_ops = _ops(mesh, lambda a: lax.ppermute(a, ("data", "fsdp"), ring), P(), P(), x)
+    # all-gather: S is the gathered result (16x32 here); reduce-scatter: the full input.
+    assert gather == [Collective("all-gather", ("tensor",), 2, 1, F32_16x32, F32_16x32 // 2)]
+    assert scatter == [Collective("reduce-scatter", ("fsdp",), 2, 1, F32_16x32, F32_16x32 // 2)]
+    # XLA splits the all-to-all operand into a 2-tuple; both halves count.
+    assert to_all == [Collective("all-to-all", ("data",), 2, 1, F32_16x32, F32_16x32 // 2)]
+    assert swap == [Collective("collective-permute", ("data",), 2, 1, F32_16x32, F32_16x32)]
+    assert ring_ops == [Collective("collective-permute", ("data", "fsdp"), 4, 1, F32_16x32, F32_16x32)]
+
+
+def test_all_gather_in_scan_runs_once_per_iteration(mesh: Mesh) -> None:
+    def f(xs):
+        # Gathering the scanned slice keeps the collective loop-variant, so XLA cannot hoist it.
+        def body(carry, x):
+            return carry + lax.all_gather(x, "tensor", tiled=True).sum(), None
+
+        return lax.scan(body, jnp.float32(0), xs.reshape(5, 4, 8))[0]
+
+    text = _hlo(_shard_map(mesh, f, P(None, "tensor"), P()), jnp.ones((5, 64), jnp.float32))
+    assert '"known_trip_count":{"n":"5"}' in text
+    one = 8 * 8 * 4  # gathered f32[8,8]
+    assert collectives(text, mesh) == [Collective("all-gather", ("tensor",), 2, 5, 5 * one, 5 * one // 2)]
+
+
+def test_nested_fori_loops_multiply(mesh: Mesh) -> None:
+    def f(a):
+        inner = lambda j, c: lax.psum(c, "data") * 0.5
+        return lax.fori_loop(0, 3, lambda i, c: lax.fori_loop(0, 4, inner, c), a)
+
+    ops = _ops(mesh, f, P(), P(), jnp.ones((16, 32), jnp.float32))
+    assert ops == [Collective("all-reduce", ("data",), 2, 12, 12 * F32_16x32, 12 * F32_16x32)]
+
+
+def test_combined_all_reduce_sums_tuple_elements(mesh: Mesh) -> None:
+    def loss(params, x):
+        w, b = params
+        return jnp.mean(jnp.tanh(x @ w + b) ** 2)
+
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXES))
+    grad = jax.jit(jax.grad(loss), in_shardings=((replicated, replicated), batch), out_shardings=replicated)
+    params = (jnp.ones((64, 256), jnp.float32), jnp.ones((256,), jnp.float32))
+    text = grad.lower(params, jnp.ones((32, 64), jnp.float32)).compile().as_text()
+    assert "(f32[256,64]{1,0}, f32[256]{0}) all-reduce(" in text  # both grads in one op
+    assert "replica_groups=mesh[" in text  # and its groups in the mesh-axes spelling
+    size = (64 * 256 + 256) * 4
+    assert collectives(text, mesh) == [Collective("all-reduce", AXES, 8, 1, size, size * 7 // 4)]
+
+
+def test_mesh_axes_groups_with_transposed_device_ids(mesh: Mesh) -> None:
+    x = jnp.ones((32, 64), jnp.float32)
+    named = lambda *spec: NamedSharding(mesh, P(*spec))
+    row_sum = jax.jit(lambda a: jnp.tanh(a).sum(1), in_shardings=named("data", "tensor"), out_shardings=named("data"))
+    col_sum = jax.jit(
+        lambda a: jnp.tanh(a).sum(0),
+        in_shardings=named(("fsdp", "tensor"), "data"),
+        out_shardings=named("data"),
+    )
+    row_text = row_sum.lower(x).compile().as_text()
+    col_text = col_sum.lower(x).compile().as_text()
+    assert "device_ids=([2,2,2]T(0,2,1)) {'axis_1'}" in row_text
+    assert "device_ids=([2,4]T(1,0)) {'axis_0'}" in col_text
+    assert collectives(row_text, mesh) == [Collective("all-reduce", ("tensor",), 2, 1, 64, 64)]
+    assert collectives(col_text, mesh) == [Collective("all-reduce", ("fsdp", "tensor"), 4, 1, 128, 192)]
+
+
+def test_device_numbers_are_mesh_positions_not_device_ids(mesh: Mesh) -> None:
+    permuted = Mesh(np.array(jax.devices()[:8])[[3, 6, 0, 5, 1, 7, 2, 4]].reshape(2, 2, 2), AXES)
+    f = jax.jit(_shard_map(permuted, lambda a: lax.psum(a, "fsdp"), P(), P()))
+    compiled = f.lower(jnp.ones((16, 32), jnp.float32)).compile()
+    assert compiled.runtime_executable().local_devices() == list(permuted.devices.flat)
+    # Read as Device.id, group {0,2} would be mesh positions 2 and 6, which differ along data, not fsdp.
+    assert "replica_groups={{0,2},{1,3},{4,6},{5,7}}" in compiled.as_text()
+    assert [c.axes for c in collectives(compiled.as_text(), permuted)] == [("fsdp",)]
+
+
+def test_without_mesh_axes_are_empty(mesh: Mesh) -> None:
+    ops = collectives(_hlo(_shard_map(mesh, lambda a: lax.psum(a, "data"), P(), P()), jnp.ones(8)))
+    assert ops == [Collective("all-reduce", (), 2, 1, 32, 32)]
+    assert ops[0].to_dict() == {
+        "kind": "all-reduce",
+        "count": 1,
+        "bytes": 32,
+        "traffic_bytes": 32,
+        "axes": [],
+        "group_size": 2,
+    }
+
+
+# --------------------------------------------------------------------------------- literal HLO text
+
+# Async pairs as GPU backends print them, a while loop calling one computation twice, a conditional and an
+# async-start wrapper; numbers are over a (2, 2, 2) mesh.
+ASYNC_HLO = """\
+HloModule async_test, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%a2a_body (p: f32[16,32]) -> f32[16,32] {
+  %p = f32[16,32]{1,0} parameter(0)
+  ROOT %a2a = f32[16,32]{1,0} all-to-all(%p), channel_id=5, replica_groups={{0,1,2,3},{4,5,6,7}}, \
+dimensions={0}
+}
+
+%step (x: f32[8,32]) -> f32[16,32] {
+  %x = f32[8,32]{1,0} parameter(0)
+  %ags = (f32[8,32]{1,0}, f32[16,32]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[4,2]<=[8], \
+dimensions={0}, use_global_device_ids=true
+  ROOT %agd = f32[16,32]{1,0} all-gather-done(%ags)
+}
+
+%body (t: (s32[], f32[8,32])) -> (s32[], f32[8,32]) {
+  %t = (s32[], f32[8,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x.1 = f32[8,32]{1,0} get-tuple-element(%t), index=1
+  %g = f32[16,32]{1,0} call(%x.1), to_apply=%step
+  %g.2 = f32[16,32]{1,0} call(%x.1), to_apply=%step
+  ROOT %out = (s32[], f32[8,32]{1,0}) tuple(%i, %x.1)
+}
+
+%cond (t.1: (s32[], f32[8,32])) -> pred[] {
+  %t.1 = (s32[], f32[8,32]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%t.1), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+%branch_a (y: f32[16,32]) -> f32[16,32] {
+  %y = f32[16,32]{1,0} parameter(0)
+  %ars = f32[16,32]{1,0} all-reduce-start(%y), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, \
+use_global_device_ids=true, to_apply=%add
+  ROOT %ard = f32[16,32]{1,0} all-reduce-done(%ars)
+}
+
+%branch_b (z: f32[16,32]) -> f32[16,32] {
+  %z = f32[16,32]{1,0} parameter(0)
+  %cps = (f32[16,32]{1,0}, f32[16,32]{1,0}, u32[], u32[]) collective-permute-start(%z), channel_id=3, \
+source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
+  ROOT %cpd = f32[16,32]{1,0} collective-permute-done(%cps)
+}
+
+ENTRY %main (x.2: f32[8,32], y.2: f32[16,32], p.2: s32[]) -> f32[16,32] {
+  %x.2 = f32[8,32]{1,0} parameter(0)
+  %y.2 = f32[16,32]{1,0} parameter(1)
+  %p.2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,32]{1,0}) tuple(%zero, %x.2)
+  %loop = (s32[], f32[8,32]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %c = f32[16,32]{1,0} conditional(%p.2, %y.2, %y.2), branch_computations={%branch_a, %branch_b}
+  %rss = ((f32[16,32]{1,0}), f32[4,32]{1,0}) reduce-scatter-start(%c), channel_id=4, \
+replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+  %rsd = f32[4,32]{1,0} reduce-scatter-done(%rss)
+  %as = ((f32[16,32]{1,0}), f32[16,32]{1,0}, s32[]) async-start(%y.2), calls=%a2a_body
+  %ad = f32[16,32]{1,0} async-done(%as), calls=%a2a_body
+  ROOT %r = f32[16,32]{1,0} add(%c, %ad)
+}
+"""
+
+
+def test_async_pairs_call_graph_and_traffic(mesh: Mesh) -> None:
+    s = F32_16x32
+    assert collectives(ASYNC_HLO, mesh) == [
+        # 3 iterations x 2 calls of %step; S is the gathered f32[16,32], computed from the operand.
+        Collective("all-gather", ("tensor",), 2, 6, 6 * s, 3 * s),
+        # Both conditional branches count once each.
+        Collective("all-reduce", ("data",), 2, 1, s, s),
+        Collective("collective-permute", ("tensor",), 2, 1, s, s),
+        # The async-start wrapper's inner op counts once although async-done names it too.
+        Collective("all-to-all", ("fsdp", "tensor"), 4, 1, s, s * 3 // 4),
+        # reduce-scatter: S is the full input, not the f32[4,32] result.
+        Collective("reduce-scatter", ("fsdp", "tensor"), 4, 1, s, s * 3 // 4),
+    ]
+
+
+def test_trip_count_spellings_and_degenerate_groups() -> None:
+    trip = 'backend_config={"known_trip_count":{"n":"3"}}'
+    escaped = ASYNC_HLO.replace(trip, 'backend_config="{\\"known_trip_count\\":{\\"n\\":\\"7\\"}}"')
+    assert {c.kind: c.count for c in collectives(escaped)}["all-gather"] == 14
+    # Without a known trip count the body is counted once (a lower bound).
+    assert {c.kind: c.count for c in collectives(ASYNC_HLO.replace(", " + trip, ""))}["all-gather"] == 2
+    degenerate = ASYNC_HLO.replace("{{0,4},{1,5},{2,6},{3,7}}", "{{0},{1},{2},{3},{4},{5},{6},{7}}")
+    degenerate = degenerate.replace("{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}", "{{0,0},{1,1}}")
+    assert {c.kind for c in collectives(degenerate)} == {"all-gather", "all-to-all", "reduce-scatter"}
+    assert collectives("HloModule empty") == []
+
+
+def test_iota_replica_groups() -> None:
+    assert _iota_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _iota_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # Seen in a jit program: all-gather over `fsdp` of a (2, 2, 2) mesh.
+    assert _iota_groups("[4,2]<=[2,2,2]T(0,2,1)") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _parse_groups("replica_groups=[1,8]<=[8], dimensions={0}", 8) == [list(range(8))]
+    assert _parse_groups("replica_groups={}, to_apply=%add", 4) == [[0, 1, 2, 3]]
+    assert _parse_groups("channel_id=1, to_apply=%add", 2) == [[0, 1]]
+
+
+def test_mesh_axes_replica_groups() -> None:
+    assert _mesh_axes_groups("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}") == [list(range(8))]
+    transposed = "mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_1'}"
+    assert _mesh_axes_groups(transposed) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _mesh_axes_groups("mesh['a'=2,'b'=4] {'b','a'}") == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    # Sub-axes split an axis major-to-minor as [pre, size, rest], as XLA's MeshAxesReplicaGroupList does.
+    assert _mesh_axes_groups("mesh['a'=8] {'a':(1)2}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _mesh_axes_groups("mesh['a'=8] {'a':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _mesh_axes_groups("mesh['a'=8] {'a':(1)2,'a':(4)2}") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert _mesh_axes_groups("mesh[a=2,b=2], device_ids=(3,1,2,0) {b}") == [[3, 1], [2, 0]]
+    assert _parse_groups("replica_groups=maximal_mesh[device_id=3] {}", 8) is None
+
+
+def test_shape_bytes() -> None:
+    assert _shape_bytes("(f32[64,256]{1,0}, f32[256]{0})") == (64 * 256 + 256) * 4
+    assert _shape_bytes("f32[]") == 4
+    assert _shape_bytes("pred[7]{0}") == 7
+    assert _shape_bytes("bf16[3,5]{1,0}") == 30
+    assert _shape_bytes("c128[2]") == 32
+    assert _shape_bytes("f8e4m3fn[10]") == 10
+    assert _shape_bytes("s4[3]") == 2
+    assert _shape_bytes("f32[8,128]{1,0:T(8,128)S(1)}") == 4096
+    assert _shape_bytes("((f32[2]{0}, s64[2]{0}), u8[5], token[])") == 8 + 16 + 5
+    assert _shape_bytes("f32[<=16,4]") == 256
