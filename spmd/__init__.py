@@ -9,9 +9,10 @@ P('data', None)
 from spmd._context import activate, constrain
 from spmd._devices import emulate_devices
 from spmd._mesh import make_mesh, parse_mesh
-from spmd._plan import Layout, LeafLayout, Plan, PlanError, PlanWarning, unbox
+from spmd._plan import Layout, LeafLayout, Plan, PlanError, PlanWarning
 from spmd._report import Report, report
 from spmd._train import StateLayout, TrainState, TrainStep, shard, train_step
+from spmd._tree import unbox
 
 __all__ = [
     "Layout",

@@ -31,8 +31,8 @@ def activate(plan: Plan, mesh: jax.sharding.Mesh) -> Iterator[None]:
     """
     token = _ACTIVE.set((plan, mesh))
     try:
-        # flax's nn.with_logical_constraint reads its own rule context; give it the same rules.
-        with nn.logical_axis_rules(plan.flax_axis_rules(mesh)):
+        # flax's nn.with_logical_constraint reads its own rule context and acts only under a global mesh.
+        with nn.logical_axis_rules(plan.flax_axis_rules(mesh)), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             yield
     finally:
         _ACTIVE.reset(token)

@@ -16,7 +16,6 @@ from typing import Any, Union
 
 import jax
 import numpy as np
-from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._tree import Leaf, leaves_with_paths, rebuild
@@ -195,9 +194,9 @@ class Plan:
     >>> from jax.sharding import PartitionSpec as P
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
     >>> plan.specs({"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}})
-    {'dense': {'bias': PartitionSpec(None,), 'kernel': PartitionSpec(None, 'tensor')}}
+    {'dense': {'bias': P(None,), 'kernel': P(None, 'tensor')}}
     >>> plan.batch_spec()
-    PartitionSpec('data', None)
+    P('data', None)
     """
 
     parts: tuple[Part, ...] = ()
@@ -347,7 +346,7 @@ class Plan:
         >>> import spmd
         >>> mesh = spmd.make_mesh({"data": -1})
         >>> spmd.Plan().shardings({"w": np.zeros(3)}, mesh)["w"].spec
-        PartitionSpec(None,)
+        P(None,)
         """
         specs = self.specs(tree, mesh, params=params)
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -576,12 +575,3 @@ def _find_mirror(leaf: Leaf, mirror: dict[tuple[str, ...], LeafLayout]) -> LeafL
         if twin is not None and twin.shape == leaf.shape:
             return twin
     return None
-
-
-def unbox(tree: Any) -> Any:
-    """Replaces flax metadata boxes (logical annotations) by their values.
-
-    >>> unbox({"w": nn.LogicallyPartitioned(np.ones(2), ("embed",))})["w"].shape
-    (2,)
-    """
-    return nn.meta.unbox(tree)

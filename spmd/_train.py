@@ -12,7 +12,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._context import activate
-from spmd._plan import Layout, Plan, unbox
+from spmd._plan import Layout, Plan
+from spmd._tree import unbox
 
 
 class TrainState(NamedTuple):
@@ -98,16 +99,21 @@ class TrainStep:
         self.compiled = None
         return self.layout
 
-    def init(self, init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> TrainState:
-        """Creates the training state directly in its sharded layout: no device ever holds a full replica of a
-        sharded parameter. ``init_fn(rng)`` returns the parameters, optionally with flax logical annotations."""
+    def initializer(self, init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> Callable[[jax.Array], TrainState]:
+        """The jitted function creating the training state in its sharded layout (see :meth:`init`)."""
         self.prepare(jax.eval_shape(init_fn, rng))
 
         def create(rng: jax.Array) -> TrainState:
             params = unbox(init_fn(rng))
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
-        return jax.jit(create, out_shardings=self.layout.shardings)(rng)
+        return jax.jit(create, out_shardings=self.layout.shardings)
+
+    def init(self, init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> TrainState:
+        """Creates the training state directly in its sharded layout: each device computes only its own shards,
+        so no device ever holds a full replica of a sharded parameter. ``init_fn(rng)`` returns the parameters,
+        optionally with flax logical annotations."""
+        return self.initializer(init_fn, rng)(rng)
 
     # -- the step -----------------------------------------------------------------------------------------
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:

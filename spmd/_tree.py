@@ -81,3 +81,21 @@ def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
 
 def rebuild(treedef: Any, leaves: list[Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def unbox(tree: Any) -> Any:
+    """Replaces flax metadata boxes (``nn.LogicallyPartitioned``, ``nn.Partitioned``) by their values.
+
+    Unlike ``nn.meta.unbox`` this never adds a sharding constraint (which flax does when a global mesh is
+    set), so it is a pure change of container, safe inside or outside ``jit``.
+
+    >>> unbox({"w": nn.LogicallyPartitioned(np.ones(2), ("embed",)), "b": np.zeros(2)})["w"].shape
+    (2,)
+    """
+
+    def value(x: Any) -> Any:
+        if not isinstance(x, nn.meta.AxisMetadata):
+            return x
+        return unbox(x.value if isinstance(x, nn.Partitioned) else x.unbox())
+
+    return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))

@@ -291,7 +291,7 @@ def sparkline(values: list[float]) -> str:
     """A loss curve as one line of text.
 
     >>> sparkline([3.0, 2.0, 1.0])
-    '█▄▁'
+    '█▅▁'
     """
     blocks = "▁▂▃▄▅▆▇█"
     lo, hi = min(values), max(values)

@@ -13,7 +13,7 @@ def fsdp(*, axis: str = "fsdp", min_bytes: int = 4096, avoid: tuple[str, ...] = 
     Works on any model, annotated or not. Dimensions whose logical name is in ``avoid`` are never chosen:
     splitting the stacked ``layers`` dimension would make a scan gather every layer at once.
 
-    >>> from spmd import Plan
+    >>> import numpy as np
     >>> fsdp(axis="fsdp", min_bytes=0).specs({"w": np.zeros((4, 16))}, {"fsdp": 4})
     {'w': P(None, 'fsdp')}
     """

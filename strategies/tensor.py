@@ -21,6 +21,7 @@ def tensor_parallel(*, axis: str = "tensor", rules: Sequence[tuple[str, Any]] = 
     for common projection names (``query``/``q_proj``/``fc1``... column-parallel, ``out``/``o_proj``/``fc2``...
     row-parallel) on 2-D kernels ``[in, out]``.
 
+    >>> import numpy as np
     >>> tensor_parallel().specs({"fc1": {"kernel": np.zeros((8, 32))}}, {"tensor": 2})
     {'fc1': {'kernel': P(None, 'tensor')}}
     """

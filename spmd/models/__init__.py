@@ -60,6 +60,7 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
+from spmd._tree import unbox
 from spmd.models.config import LMConfig
 
 __all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "unbox"]
@@ -86,26 +87,6 @@ class Model:
 
 def _is_box(x: Any) -> bool:
     return isinstance(x, nn.meta.AxisMetadata)
-
-
-def unbox(tree: Any) -> Any:
-    """Replaces every flax metadata box (``nn.LogicallyPartitioned``, ``nn.Partitioned``, ...) by its value.
-
-    Unlike ``nn.meta.unbox`` this never adds a sharding constraint (which flax does when a global mesh is
-    set), so it is a pure change of container that is safe anywhere, inside or outside ``jit``.
-
-    >>> tree = {"w": nn.LogicallyPartitioned(jnp.ones(2), ("embed",)), "b": jnp.zeros(2)}
-    >>> unbox(tree)["w"]
-    Array([1., 1.], dtype=float32)
-    """
-
-    def value(box: Any) -> Any:
-        if not _is_box(box):
-            return box
-        inner = box.value if isinstance(box, nn.Partitioned) else box.unbox()
-        return unbox(inner)
-
-    return jax.tree.map(value, tree, is_leaf=_is_box)
 
 
 def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]:

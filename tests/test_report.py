@@ -1,0 +1,85 @@
+"""The plan report agrees with the compiled program: memory to the byte, collectives per loop iteration."""
+
+import jax
+import optax
+import pytest
+
+import spmd
+import strategies
+from spmd import data, models
+
+BATCH = 16
+
+
+def _report(model, strategy, mesh_axes):
+    step = spmd.train_step(
+        models.loss_fn(model), optax.adam(1e-3), strategies.from_names(strategy), spmd.make_mesh(mesh_axes)
+    )
+    step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    return spmd.report(step, data.batch(0, 0, BATCH, model.config.seq_len, model.config.vocab))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return models.get("mlp")
+
+
+@pytest.mark.parametrize("strategy,axis", [("dp", "data"), ("fsdp", "fsdp")])
+def test_compiled_arguments_are_exactly_the_planned_state(mlp, strategy, axis):
+    r = _report(mlp, strategy, {axis: 8})
+    pd = r.per_device_bytes
+    batch_bytes = BATCH // 8 * mlp.config.seq_len * 4  # int32 tokens, split over the batch axis
+    step_counter = 4
+    assert r.compiled_memory["argument_bytes"] == pd["params"] + pd["optimizer"] + step_counter + batch_bytes
+    total = sum(row.bytes for row in r.params)
+    assert pd["params"] == (total if strategy == "dp" else total // 8)
+    # Adam's two moments mirror the parameters; its step count is one replicated int32.
+    assert pd["optimizer"] == 2 * pd["params"] + 4
+
+
+def test_data_parallel_all_reduces_exactly_the_gradients(mlp):
+    r = _report(mlp, "dp", {"data": 8})
+    (ar,) = [c for c in r.collectives if c.kind == "all-reduce"]
+    grads = sum(row.bytes for row in r.params)
+    assert ar.axes == ("data",) and ar.group_size == 8
+    assert ar.bytes == grads + 4  # the gradients plus the scalar loss
+    assert ar.traffic_bytes == int(2 * 7 / 8 * ar.bytes)
+
+
+def test_fsdp_gathers_every_parameter(mlp):
+    r = _report(mlp, "fsdp", {"fsdp": 8})
+    gathers = [c for c in r.collectives if c.kind == "all-gather"]
+    assert sum(c.bytes for c in gathers) == sum(row.bytes for row in r.params)
+    assert all(c.axes == ("fsdp",) for c in gathers)
+
+
+def test_collectives_inside_the_layer_scan_count_once_per_layer():
+    counts = {}
+    for layers in (2, 4, 6):
+        r = _report(models.get("gpt-tiny", layers=layers), "fsdp", {"fsdp": 8})
+        counts[layers] = sum(c.count for c in r.collectives if c.kind == "all-gather")
+    # Same program text for every depth; the while loop's trip count makes the difference, linearly.
+    assert counts[4] - counts[2] == counts[6] - counts[4] > 0
+
+
+def test_report_renders_as_json_terminal_tables_and_html(mlp):
+    r = _report(mlp, "dp", {"data": 8})
+    d = r.to_dict()
+    assert d["mesh"] == {"axes": {"data": 8}, "devices": 8}
+    assert [row["path"] for row in d["params"]][:1] == ["params/embed/embedding"]
+    html = r._repr_html_()
+    assert "params/embed/embedding" in html and "<" in html
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    console.print(r)
+    text = console.export_text()
+    assert "Collectives the compiler generated" in text and "all-reduce" in text
+
+
+def test_large_replicated_parameters_are_warned_about():
+    big = models.get("mlp", vocab=4096)  # a 4096 × 64 embedding: 1 MiB, replicated by dp
+    r = _report(big, "dp", {"data": 8})
+    assert any("params/embed/embedding" in w and "fully replicated" in w for w in r.warnings)
+    r = _report(big, "fsdp", {"fsdp": 8})
+    assert not any("fully replicated" in w for w in r.warnings)
