@@ -31,8 +31,11 @@ def activate(plan: Plan, mesh: jax.sharding.Mesh) -> Iterator[None]:
     """
     token = _ACTIVE.set((plan, mesh))
     try:
-        # flax's nn.with_logical_constraint reads its own rule context and acts only under a global mesh.
-        with nn.logical_axis_rules(plan.flax_axis_rules(mesh)), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        # flax's nn.with_logical_constraint reads its own rule context, so it gets the plan's rules; it acts only
+        # under a global mesh, which is left unset: with one, flax 0.12 also constrains every boxed parameter it
+        # unboxes, and its DenseGeneral inside nn.scan then applies a rank-3 spec to a rank-2 value. Inside model
+        # code, spmd.constrain is the constraint that always takes effect.
+        with nn.logical_axis_rules(plan.flax_axis_rules(mesh)):
             yield
     finally:
         _ACTIVE.reset(token)

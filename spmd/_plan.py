@@ -296,9 +296,11 @@ class Plan:
             missing = sorted(axes - set(sizes))
             if missing:
                 shown = ",".join(f"{k}={v}" for k, v in sizes.items())
+                first, size = next(iter(sizes.items()))
+                example = f"{first}={size // 2},{missing[0]}=2" if size % 2 == 0 else f"{shown},{missing[0]}=..."
                 raise PlanError(
                     f"{source} uses mesh axis {missing[0]!r}, but the mesh has only {shown}; add the axis to the "
-                    f"mesh (e.g. --mesh {shown.split(',')[0].split('=')[0]}=...,{missing[0]}=2) or drop that part"
+                    f"mesh (e.g. {example}) or drop that part of the plan"
                 )
 
     # -- resolution ---------------------------------------------------------------------------------------
