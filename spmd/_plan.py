@@ -273,6 +273,24 @@ class Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors."""
         return dataclasses.replace(self, strict=strict)
 
+    def describe(self) -> str:
+        """One line: the batch axes and the parts.
+
+        >>> Plan(batch_axes=("data",)).describe()
+        'batch over data; parameters replicated'
+        """
+        parts: list[str] = []
+        for part in self.parts:
+            if isinstance(part, ShardLargest):
+                parts.append(f"{part.source}(axis={part.axis}, min_bytes={part.min_bytes})")
+            elif part.source not in parts:
+                parts.append(part.source)
+        batch = ",".join(self.batch_axes) or "replicated"
+        return f"batch over {batch}" + (f"; {' + '.join(parts)}" if parts else "; parameters replicated")
+
+    def __str__(self) -> str:
+        return self.describe()
+
     # -- mesh axes ----------------------------------------------------------------------------------------
     def axes_by_source(self) -> dict[str, set[str]]:
         """Every mesh axis the plan refers to, grouped by the part (strategy) that refers to it."""
@@ -526,8 +544,10 @@ class Plan:
         free = [d for d in range(len(leaf.shape)) if not entries[d] and names[d] not in part.avoid]
         fits = [d for d in free if leaf.shape[d] % ways == 0]
         if not fits:
-            if any(re.search(p, leaf.path) for p in self.replicate):
-                return f"not split by {part.source}: no free dimension divisible by {part.axis!r} ({ways})"
+            why = f"not split by {part.source}: no free dimension divisible by {part.axis!r} ({ways})"
+            # Already split by another part (e.g. a bias over tensor): not replicated, so a recorded note suffices.
+            if any(entries) or any(re.search(p, leaf.path) for p in self.replicate):
+                return why
             raise PlanError(
                 f"{leaf.path} {leaf.shape} ({leaf.nbytes} bytes, above {part.source}'s min_bytes={part.min_bytes}): "
                 f"no free dimension is divisible by mesh axis {part.axis!r} of size {ways}; change the mesh size "

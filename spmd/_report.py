@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any
 
 import jax
@@ -10,7 +11,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from spmd._hlo import Collective, collectives
-from spmd._plan import LeafLayout, Plan, ShardLargest
+from spmd._plan import LeafLayout, Plan
 from spmd._train import TrainStep
 
 # A parameter at least this large left fully replicated on a multi-device mesh earns a warning.
@@ -41,7 +42,7 @@ class Report:
         """The JSON form (``spmd plan --json``)."""
         return {
             "mesh": {"axes": self.mesh_axes, "devices": _prod(self.mesh_axes.values())},
-            "plan": describe(self.plan),
+            "plan": self.plan.describe(),
             "params": [row.to_dict() for row in self.params],
             "per_device_bytes": self.per_device_bytes,
             "compiled_memory": self.compiled_memory,
@@ -52,7 +53,7 @@ class Report:
     def tables(self, *, max_rows: int = 40) -> Group:
         """The report as rich renderables (the terminal view)."""
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh_axes.items())
-        params = Table(title=f"Plan on mesh {mesh}: {describe(self.plan)}", title_justify="left")
+        params = Table(title=f"Plan on mesh {mesh}: {self.plan.describe()}", title_justify="left")
         for col in ("parameter", "shape", "dtype", "spec", "per device", "replicas"):
             params.add_column(col, justify="right" if col in ("per device", "replicas") else "left")
         for row in self.params[:max_rows]:
@@ -93,18 +94,22 @@ class Report:
     def __rich__(self) -> Group:
         return self.tables()
 
-    def _repr_html_(self) -> str:
-        console = Console(record=True, width=130, file=_Null())
+    def __str__(self) -> str:
+        """The terminal tables as plain text, so ``print(report)`` shows them."""
+        console = Console(record=True, width=130, file=io.StringIO(), force_jupyter=False, color_system=None)
         console.print(self.tables())
-        return console.export_html(inline_styles=True)
+        return console.export_text()
 
+    def __repr__(self) -> str:
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh_axes.items())
+        counts = f"{len(self.params)} params; {len(self.collectives)} collectives"
+        return f"Report(mesh {mesh}; {self.plan.describe()}; {counts})"
 
-class _Null:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
+    def _repr_html_(self) -> str:
+        # force_jupyter=False: otherwise rich, seeing a notebook, displays the tables itself and they show twice.
+        console = Console(record=True, width=130, file=io.StringIO(), force_jupyter=False)
+        console.print(self.tables())
+        return console.export_html(inline_styles=True, code_format='<pre style="font-family:monospace">{code}</pre>')
 
 
 def report(step: TrainStep, batch: Any) -> Report:
@@ -152,18 +157,6 @@ def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
     out = {ours: int(getattr(stats, theirs, 0)) for ours, theirs in _MEMORY_FIELDS.items()}
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
     return out
-
-
-def describe(plan: Plan) -> str:
-    """One line: the plan's parts and batch axes."""
-    parts = []
-    for part in plan.parts:
-        if isinstance(part, ShardLargest):
-            parts.append(f"{part.source}(axis={part.axis}, min_bytes={part.min_bytes})")
-        elif part.source not in parts:
-            parts.append(part.source)
-    batch = ",".join(plan.batch_axes) or "replicated"
-    return f"batch over {batch}" + (f"; {' + '.join(parts)}" if parts else "; parameters replicated")
 
 
 def _spec(row: LeafLayout) -> str:

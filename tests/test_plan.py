@@ -178,3 +178,11 @@ def test_activation_constraint_resolves_logical_names():
             return spmd.constrain(x * 2, ("batch", "mlp"))
 
     assert f(jnp.ones((8, 4))).sharding.spec == P("data", "tensor")
+
+
+def test_fsdp_leaves_an_array_another_part_already_split_and_notes_it():
+    plan = strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()
+    layout = plan.resolve({"bias": boxed(("mlp",), 256)}, SIZES)
+    assert layout.specs["bias"] == P("tensor")
+    assert layout.leaves[0].note == "not split by fsdp: no free dimension divisible by 'fsdp' (2)"
+    assert str(plan) == "batch over fsdp; fsdp(axis=fsdp, min_bytes=0) + tensor_parallel"

@@ -68,7 +68,9 @@ def test_report_renders_as_json_terminal_tables_and_html(mlp):
     assert d["mesh"] == {"axes": {"data": 8}, "devices": 8}
     assert [row["path"] for row in d["params"]][:1] == ["params/embed/embedding"]
     html = r._repr_html_()
-    assert "params/embed/embedding" in html and "<" in html
+    assert html.startswith("<pre") and "params/embed/embedding" in html and "<body" not in html
+    assert "Collectives the compiler generated" in str(r)  # print(report) shows the tables
+    assert repr(r) == "Report(mesh data=8; batch over data; parameters replicated; 4 params; 1 collectives)"
     from rich.console import Console
 
     console = Console(record=True, width=140)
