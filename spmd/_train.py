@@ -71,13 +71,8 @@ class TrainStep:
         donate: bool = True,
     ) -> None:
         plan.check_mesh(mesh)
-        self.loss_fn, self.optimizer, self.plan, self.mesh, self.donate = (
-            loss_fn,
-            optimizer,
-            plan,
-            mesh,
-            donate,
-        )
+        self.loss_fn, self.optimizer, self.plan, self.mesh = loss_fn, optimizer, plan, mesh
+        self.donate = donate
         self.layout: StateLayout | None = None
         self.compiled: jax.stages.Compiled | None = None
         self._batch_shardings: Any = None
@@ -189,5 +184,5 @@ def train_step(
 
 def _rows_tree(layout: Layout) -> Any:
     """The layout's rows in the specs' tree structure."""
-    specs_flat, treedef = jax.tree.flatten(layout.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    _, treedef = jax.tree.flatten(layout.specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     return jax.tree.unflatten(treedef, list(layout.leaves))
