@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``spmd plan --json``)."""
         return {
-            "mesh": {"axes": self.mesh_axes, "devices": _prod(self.mesh_axes.values())},
+            "mesh": {"axes": self.mesh_axes, "devices": math.prod(self.mesh_axes.values())},
             "plan": self.plan.describe(),
             "params": [row.to_dict() for row in self.params],
             "per_device_bytes": self.per_device_bytes,
@@ -171,10 +172,3 @@ def _mb(n: int | None) -> str:
     if n < 1 << 20:
         return f"{n / 1024:.1f} KiB"
     return f"{n / (1 << 20):.2f} MiB"
-
-
-def _prod(values: Any) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out

@@ -85,10 +85,6 @@ class Model:
     apply: Callable[[Any, jax.Array], jax.Array]
 
 
-def _is_box(x: Any) -> bool:
-    return isinstance(x, nn.meta.AxisMetadata)
-
-
 def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]:
     """``loss(params, batch)``: mean next-token cross-entropy of ``model`` in float32.
 
