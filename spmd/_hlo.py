@@ -15,6 +15,25 @@ Facts about the text on this stack (jax/jaxlib 0.10.2, XLA CPU) that the parser 
   axis names are XLA's own, not the jax mesh's.
 * Trip counts sit in the while op's ``backend_config={..."known_trip_count":{"n":"5"}}``.
 * Loop-invariant collectives get hoisted out of while bodies by XLA, so only loop-variant ones are multiplied.
+
+All-reduces that are only sliced count as reduce-scatters. XLA's CPU pipeline has no reduce-scatter pass, so where
+the SPMD partitioner wants a reduced buffer sharded (ZeRO-2 gradients constrained to ``P("data", None)``, FSDP's
+gradient reduction) the CPU program runs ``all-reduce`` and then has each device ``dynamic-slice`` its 1/N out of
+the result, e.g. over ``Mesh(devices, ("data",))``::
+
+    %all-reduce.2 = (f32[256,64]{1,0}, f32[256]{0}) all-reduce(%dot.1, %wrapped_reduce), ...
+    %get-tuple-element.3 = f32[256]{0} get-tuple-element(%all-reduce.2), index=1
+    %multiply_dynamic-slice_fusion = f32[32]{0} fusion(%get-tuple-element.3, %partition-id.1), calls=%fc.1
+    ...  in %fc.1: %dynamic-slice.5 = f32[32]{0} dynamic-slice(%param_0.1, %multiply.6), dynamic_slice_sizes={32}
+
+GPU and TPU pipelines rewrite exactly that pair into one ``reduce-scatter`` (half the traffic of the all-reduce),
+so an inventory taken on CPU would otherwise overstate what the program costs on an accelerator. An all-reduce (or
+one element of a combined, tuple-shaped one) is recognised when every use of its result -- through
+``get-tuple-element``, ``bitcast``/``copy``/``reshape``/``transpose``, ``all-reduce-done``, and into fusions via the
+fused computation's parameter -- is the data operand of a ``dynamic-slice``/``slice`` that keeps 1/N of it along
+exactly one dimension (N the group size). It is then reported with ``kind="reduce-scatter"`` and
+``raw_kind="all-reduce"`` (what the CPU program really runs), ``bytes`` the full buffer S and reduce-scatter
+traffic (N-1)/N*S; a combined all-reduce whose elements differ is split between the two entries by bytes.
 """
 
 from __future__ import annotations
@@ -60,7 +79,7 @@ _DTYPE_BITS = {
 
 _ARRAY_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _CALLEE_ATTR = re.compile(
     r"\b(to_apply|calls|condition|body|true_computation|false_computation|branch_computations"
@@ -79,11 +98,19 @@ class Collective:
     count: int
     bytes: int
     traffic_bytes: int
+    #: The op the compiled program really runs; differs from ``kind`` only for an all-reduce whose result is only
+    #: sliced, which counts as the ``reduce-scatter`` accelerator backends turn it into (see the module doc).
+    raw_kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.raw_kind:
+            object.__setattr__(self, "raw_kind", self.kind)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; ``axes`` becomes a list."""
         return {
             "kind": self.kind,
+            "raw_kind": self.raw_kind,
             "count": self.count,
             "bytes": self.bytes,
             "traffic_bytes": self.traffic_bytes,
@@ -99,14 +126,16 @@ class _Instr:
     opcode: str
     operands: str
     attrs: str
+    root: bool = False
 
 
 def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Collective]:
-    """The collectives ``hlo_text`` executes per run, aggregated by (kind, axes, group_size).
+    """The collectives ``hlo_text`` executes per run, aggregated by (kind, raw_kind, axes, group_size).
 
     ``hlo_text`` is ``compiled.as_text()``; ``mesh`` (the one the program was jitted over) names the axes,
-    which stay empty without it. Degenerate collectives (one device per group) are dropped. Sorted by
-    ``traffic_bytes``, largest first.
+    which stay empty without it. Degenerate collectives (one device per group) are dropped. An all-reduce whose
+    result is only sliced to 1/N counts as a reduce-scatter (see the module doc); a combined one split between
+    both kinds adds one to the count of each. Sorted by ``traffic_bytes``, largest first.
 
     >>> text = '''HloModule m, num_partitions=2
     ... ENTRY %main (p: f32[8]) -> f32[8] {
@@ -114,7 +143,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Co
     ...   ROOT %r = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
     ... }'''
     >>> collectives(text)
-    [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32)]
+    [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32, raw_kind='all-reduce')]
 
     On a real program (a single device runs no collectives at all, so the check holds for any count):
 
@@ -132,7 +161,8 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Co
     num_devices = _num_devices(hlo_text)
     multiplier = _multipliers(computations, entry)
 
-    totals: dict[tuple[str, tuple[str, ...], int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    flow = _Dataflow(computations)
+    totals: dict[tuple[str, str, tuple[str, ...], int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for comp_name, times in multiplier.items():
         instrs = computations[comp_name]
         shapes = {i.name: i.shape for i in instrs}
@@ -141,16 +171,22 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Co
             if op is None:
                 continue
             kind, axes, n, size = op
-            total = totals[(kind, axes, n)]
-            total[0] += times
-            total[1] += times * size
-            total[2] += times * size * _traffic_factor(kind, n)
+            parts = [(kind, size)]
+            if kind == "all-reduce":
+                scattered = _sliced_bytes(flow, comp_name, instr, n)
+                split = [("reduce-scatter", scattered), ("all-reduce", size - scattered)]
+                parts = [(k, b) for k, b in split if b > 0] or parts
+            for counted, nbytes in parts:
+                total = totals[(counted, kind, axes, n)]
+                total[0] += times
+                total[1] += times * nbytes
+                total[2] += times * nbytes * _traffic_factor(counted, n)
 
     out = [
-        Collective(kind, axes, n, int(count), int(nbytes), round(traffic))
-        for (kind, axes, n), (count, nbytes, traffic) in totals.items()
+        Collective(kind, axes, n, int(count), int(nbytes), round(traffic), raw_kind)
+        for (kind, raw_kind, axes, n), (count, nbytes, traffic) in totals.items()
     ]
-    out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.axes))
+    out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.raw_kind, c.axes))
     return out
 
 
@@ -191,7 +227,7 @@ def _parse_instr(line: str) -> _Instr | None:
     match = _INSTR.match(line)
     if match is None:
         return None
-    name, rest = match.group(1).lstrip("%"), match.group(2)
+    name, rest = match.group(2).lstrip("%"), match.group(3)
     if rest.startswith("("):
         end = _matching(rest, 0)
         shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
@@ -202,7 +238,8 @@ def _parse_instr(line: str) -> _Instr | None:
         return None
     open_at = opcode_match.end() - 1
     close_at = _matching(rest, open_at)
-    return _Instr(name, shape, opcode_match.group(1), rest[open_at + 1 : close_at], rest[close_at + 1 :])
+    operands, attrs = rest[open_at + 1 : close_at], rest[close_at + 1 :]
+    return _Instr(name, shape, opcode_match.group(1), operands, attrs, root=bool(match.group(1)))
 
 
 def _matching(text: str, open_at: int) -> int:
@@ -390,6 +427,118 @@ def _shape_bytes(shape: str) -> int:
         elems = math.prod(int(d) if d.isdigit() else 0 for d in sizes)
         total += (elems * bits + 7) // 8
     return total
+
+
+# ------------------------------------------------------------------- all-reduces that are only sliced
+
+# Ops that pass a value on unchanged in content (layout or shape only), followed when looking for its slices.
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "all-reduce-done")
+_SLICES = ("dynamic-slice", "slice")
+
+
+class _Dataflow:
+    """Who uses each value, per computation, built lazily."""
+
+    def __init__(self, computations: dict[str, list[_Instr]]):
+        self.computations = computations
+        self._users: dict[str, dict[str, list[tuple[_Instr, int]]]] = {}
+
+    def users(self, comp: str) -> dict[str, list[tuple[_Instr, int]]]:
+        """value name -> (user, operand position) for each use in ``comp``."""
+        if comp not in self._users:
+            users: dict[str, list[tuple[_Instr, int]]] = defaultdict(list)
+            for instr in self.computations.get(comp, []):
+                for position, name in enumerate(_operand_names(instr.operands)):
+                    users[name].append((instr, position))
+            self._users[comp] = users
+        return self._users[comp]
+
+
+def _operand_names(operands: str) -> list[str | None]:
+    names: list[str | None] = []
+    for part in _split_top_level(operands):
+        name = re.search(r"%?([\w.\-]+)\s*$", part.strip())
+        names.append(name.group(1) if name else None)
+    return names
+
+
+def _sliced_bytes(flow: _Dataflow, comp: str, instr: _Instr, n: int) -> int:
+    """Bytes of the elements of an all-reduce's result that are only ever sliced to 1/n (see the module doc)."""
+    elements = _tuple_elements(instr.shape)
+    if not instr.shape.strip().startswith("("):
+        return _shape_bytes(elements[0]) if _only_sliced(flow, comp, instr, n) else 0
+    uses = _tuple_uses(flow, comp, instr)
+    if uses is None:
+        return 0
+    return sum(
+        _shape_bytes(element)
+        for index, element in enumerate(elements)
+        if uses.get(index) and all(_only_sliced(flow, comp, gte, n) for gte in uses[index])
+    )
+
+
+def _tuple_uses(flow: _Dataflow, comp: str, value: _Instr) -> dict[int, list[_Instr]] | None:
+    """The get-tuple-element ops reading a tuple-shaped value, by index; None if it is used whole."""
+    if value.root:
+        return None
+    out: dict[int, list[_Instr]] = defaultdict(list)
+    for user, _ in flow.users(comp).get(value.name, []):
+        if user.opcode == "all-reduce-done":
+            inner = _tuple_uses(flow, comp, user)
+            if inner is None:
+                return None
+            for index, gtes in inner.items():
+                out[index].extend(gtes)
+            continue
+        index = re.search(r"\bindex=(\d+)", user.attrs)
+        if user.opcode != "get-tuple-element" or index is None:
+            return None
+        out[int(index.group(1))].append(user)
+    return out
+
+
+def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
+    """Whether every use of array ``value`` in ``comp`` ends in a slice keeping 1/n of it along one dimension."""
+    uses = flow.users(comp).get(value.name, [])
+    if value.root or not uses:
+        return False
+    for user, position in uses:
+        if user.opcode in _SLICES:
+            if position != 0 or not _keeps_one_nth(value.shape, user.shape, n):
+                return False
+        elif user.opcode in _PASS_THROUGH:
+            if not _only_sliced(flow, comp, user, n):
+                return False
+        elif user.opcode == "fusion":
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", user.attrs)
+            fused = callee.group(1) if callee else ""
+            params = [
+                i
+                for i in flow.computations.get(fused, [])
+                if i.opcode == "parameter" and i.operands.strip() == str(position)
+            ]
+            if len(params) != 1 or not _only_sliced(flow, fused, params[0], n):
+                return False
+        else:
+            return False
+    return True
+
+
+def _keeps_one_nth(full: str, part: str, n: int) -> bool:
+    """Whether array shape ``part`` is ``full`` with exactly one dimension divided by ``n``."""
+    full_dims, part_dims = _dims(full), _dims(part)
+    if full_dims is None or part_dims is None or len(full_dims) != len(part_dims):
+        return False
+    changed = [(f, p) for f, p in zip(full_dims, part_dims, strict=True) if f != p]
+    return len(changed) == 1 and changed[0][0] == n * changed[0][1]
+
+
+def _dims(shape: str) -> list[int] | None:
+    arrays = _ARRAY_SHAPE.findall(shape)
+    if len(arrays) != 1 or shape.strip().startswith("("):
+        return None
+    sizes = [d.strip() for d in arrays[0][1].split(",") if d.strip()]
+    return [int(d) for d in sizes] if all(d.isdigit() for d in sizes) else None
 
 
 # ----------------------------------------------------------------------------- device groups

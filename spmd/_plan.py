@@ -118,16 +118,24 @@ class LogicalRules:
         return ()
 
 
+ROLES = ("params", "grads", "optimizer")
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLargest:
-    """ZeRO-3/FSDP: each array of at least ``min_bytes`` is split over ``axis`` on its largest dimension that no
-    other part took and whose size the axis divides. Dimensions named in ``avoid`` (e.g. stacked ``layers``,
-    which a scan walks through) are never chosen."""
+    """Each array of at least ``min_bytes`` is split over ``axis`` on its largest dimension that no other part
+    took and whose size the axis divides. Dimensions named in ``avoid`` (e.g. stacked ``layers``, which a scan
+    walks through) are never chosen.
+
+    ``applies_to`` names the training-state roles it lays out: all three for FSDP/ZeRO-3 (the parameters
+    themselves are split), ``("optimizer",)`` for ZeRO-1 and ``("grads", "optimizer")`` for ZeRO-2, where the
+    parameters stay replicated."""
 
     axis: str
     min_bytes: int = 4096
     avoid: tuple[str, ...] = ("layers",)
     source: str = "fsdp"
+    applies_to: tuple[str, ...] = ROLES
 
 
 Part = Union[PathRules, LogicalRules, ShardLargest]  # noqa: UP007
@@ -204,6 +212,7 @@ class Plan:
     replicate: tuple[str, ...] = ()  # regexes of paths allowed to stay replicated where their axes do not divide
     strict: bool = False
     notes: tuple[str, ...] = ()
+    remat: bool = False  # rematerialise each layer in the backward pass (FSDP: re-gather rather than keep weights)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -257,6 +266,7 @@ class Plan:
             replicate=_merge_unique(self.replicate, other.replicate),
             strict=self.strict or other.strict,
             notes=_merge_unique(self.notes, other.notes),
+            remat=self.remat or other.remat,
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -283,10 +293,13 @@ class Plan:
         for part in self.parts:
             if isinstance(part, ShardLargest):
                 parts.append(f"{part.source}(axis={part.axis}, min_bytes={part.min_bytes})")
+                if part.applies_to != ROLES:
+                    parts[-1] = parts[-1][:-1] + f", {'+'.join(part.applies_to)} only)"
             elif part.source not in parts:
                 parts.append(part.source)
         batch = ",".join(self.batch_axes) or "replicated"
-        return f"batch over {batch}" + (f"; {' + '.join(parts)}" if parts else "; parameters replicated")
+        remat = "; layers rematerialised" if self.remat else ""
+        return f"batch over {batch}" + (f"; {' + '.join(parts)}" if parts else "; parameters replicated") + remat
 
     def __str__(self) -> str:
         return self.describe()
@@ -322,12 +335,19 @@ class Plan:
                 )
 
     # -- resolution ---------------------------------------------------------------------------------------
-    def resolve(self, tree: Any, mesh: Mesh | Mapping[str, int] | None = None, *, params: Any = None) -> Layout:
+    def resolve(
+        self, tree: Any, mesh: Mesh | Mapping[str, int] | None = None, *, params: Any = None, role: str | None = None
+    ) -> Layout:
         """Applies the plan to every array of ``tree`` (arrays, ShapeDtypeStructs, flax boxes, nnx Variables).
 
         With ``params=``, leaves of ``tree`` that mirror a parameter (an optimizer's moments: same path suffix,
-        same shape) take that parameter's layout; other scalars are replicated.
+        same shape) take that parameter's layout; other scalars are replicated. ``role`` says which part of the
+        training state ``tree`` is ("params", "grads" or "optimizer"; default "optimizer" with ``params=``,
+        else "params"): ZeRO-1/2 parts split only the optimizer state and gradients.
         """
+        role = role or ("optimizer" if params is not None else "params")
+        if role not in ROLES:
+            raise PlanError(f"Plan.resolve: role {role!r} must be one of {ROLES}")
         sizes = None if mesh is None else _sizes(mesh)
         if sizes is not None:
             self.check_mesh(sizes)
@@ -335,7 +355,7 @@ class Plan:
         mirror: dict[tuple[str, ...], LeafLayout] = {}
         if params is not None:
             param_leaves, _ = leaves_with_paths(params)
-            param_layout = self._resolve_leaves(param_leaves, sizes, report=False)[0]
+            param_layout = self._resolve_leaves(param_leaves, sizes, report=False, role="params")[0]
             for leaf, row in zip(param_leaves, param_layout, strict=True):
                 mirror[leaf.keys] = row
                 if len(leaf.keys) > 1 and leaf.keys[0] == "params":  # linen's collection name is optional
@@ -345,22 +365,26 @@ class Plan:
         for i, leaf in enumerate(leaves):
             twin = _find_mirror(leaf, mirror) if mirror else None
             if twin is not None:
-                rows[i] = dataclasses.replace(twin, path=leaf.path, dtype=leaf.dtype, **_bytes(leaf, twin.spec, sizes))
+                rows[i] = self._on_top(twin, leaf, sizes, role)
             elif mirror and not leaf.shape:
                 rows[i] = _row(leaf, (), (), sizes, None)
             else:
                 own.append(i)
-        resolved, unused, notes = self._resolve_leaves([leaves[i] for i in own], sizes, report=params is None)
+        resolved, unused, notes = self._resolve_leaves(
+            [leaves[i] for i in own], sizes, report=params is None, role=role
+        )
         for i, row in zip(own, resolved, strict=True):
             rows[i] = row
         specs = rebuild(treedef, [row.spec for row in rows])
         return Layout(specs=specs, leaves=tuple(rows), unused_rules=tuple(unused), notes=tuple(notes))
 
-    def specs(self, tree: Any, mesh: Mesh | Mapping[str, int] | None = None, *, params: Any = None) -> Any:
+    def specs(
+        self, tree: Any, mesh: Mesh | Mapping[str, int] | None = None, *, params: Any = None, role: str | None = None
+    ) -> Any:
         """A PartitionSpec for every array of ``tree``, in the tree's structure (see :meth:`resolve`)."""
-        return self.resolve(tree, mesh, params=params).specs
+        return self.resolve(tree, mesh, params=params, role=role).specs
 
-    def shardings(self, tree: Any, mesh: Mesh, *, params: Any = None) -> Any:
+    def shardings(self, tree: Any, mesh: Mesh, *, params: Any = None, role: str | None = None) -> Any:
         """A NamedSharding for every array of ``tree``, in the tree's structure (see :meth:`resolve`).
 
         >>> import spmd
@@ -368,7 +392,7 @@ class Plan:
         >>> spmd.Plan().shardings({"w": np.zeros(3)}, mesh)["w"].spec
         P(None,)
         """
-        specs = self.specs(tree, mesh, params=params)
+        specs = self.specs(tree, mesh, params=params, role=role)
         return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def batch_spec(self, ndim: int = 2) -> PartitionSpec:
@@ -430,14 +454,25 @@ class Plan:
         return _to_spec(entries)
 
     # -- internals ----------------------------------------------------------------------------------------
+    def _on_top(self, twin: LeafLayout, leaf: Leaf, sizes: dict[str, int] | None, role: str) -> LeafLayout:
+        """A parameter's layout for a leaf mirroring it, plus the splits only ``role`` gets (ZeRO-1/2)."""
+        entries = [_entry(e, leaf.path) for e in twin.spec]
+        owners = list(twin.sources)
+        note = twin.note
+        named = dataclasses.replace(leaf, names=twin.names)
+        for part in self.parts:
+            if isinstance(part, ShardLargest) and role in part.applies_to and "params" not in part.applies_to:
+                note = self._shard_largest(part, named, entries, owners, sizes) or note
+        return _row(leaf, entries, owners, sizes, note)
+
     def _resolve_leaves(
-        self, leaves: list[Leaf], sizes: dict[str, int] | None, *, report: bool
+        self, leaves: list[Leaf], sizes: dict[str, int] | None, *, report: bool, role: str
     ) -> tuple[list[LeafLayout], list[str], list[str]]:
         hits: set[tuple[int, int]] = set()
         rows: list[LeafLayout] = []
         notes: list[str] = []
         for leaf in leaves:
-            row = self._resolve_one(leaf, sizes, hits)
+            row = self._resolve_one(leaf, sizes, hits, role)
             if row.note:
                 notes.append(f"{row.path}: {row.note}")
             rows.append(row)
@@ -455,7 +490,9 @@ class Plan:
                 warnings.warn("; ".join(unused), PlanWarning, stacklevel=4)
         return rows, unused, notes
 
-    def _resolve_one(self, leaf: Leaf, sizes: dict[str, int] | None, hits: set[tuple[int, int]]) -> LeafLayout:
+    def _resolve_one(
+        self, leaf: Leaf, sizes: dict[str, int] | None, hits: set[tuple[int, int]], role: str
+    ) -> LeafLayout:
         ndim = len(leaf.shape)
         entries: list[tuple[str, ...]] = [()] * ndim
         owners: list[str | None] = [None] * ndim
@@ -488,7 +525,8 @@ class Plan:
         for part in self.parts:
             if isinstance(part, ShardLargest):
                 covered = True
-                note = self._shard_largest(part, leaf, entries, owners, sizes) or note
+                if role in part.applies_to:
+                    note = self._shard_largest(part, leaf, entries, owners, sizes) or note
         if self.strict and not covered and ndim:
             raise PlanError(
                 f"strict plan: no rule covers {leaf.path} {leaf.shape}; add a rule for it (use spec (None,) * rank "

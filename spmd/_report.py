@@ -11,9 +11,11 @@ import jax
 from rich.console import Console, Group
 from rich.table import Table
 
+from spmd import costmodel
 from spmd._hlo import Collective, collectives
 from spmd._plan import LeafLayout, Plan
 from spmd._train import TrainStep
+from spmd.costmodel import Traffic
 
 # A parameter at least this large left fully replicated on a multi-device mesh earns a warning.
 LARGE_REPLICATED_BYTES = 1 << 20
@@ -37,7 +39,16 @@ class Report:
     per_device_bytes: dict[str, int]
     compiled_memory: dict[str, int]
     collectives: tuple[Collective, ...]
+    analytic_collectives: tuple[Traffic, ...]
     warnings: tuple[str, ...]
+
+    @property
+    def comm_bytes_per_step(self) -> dict[str, int]:
+        """Per-device collective traffic per step (ring terms): what the compiler made, what the model expects."""
+        return {
+            "compiled": sum(c.traffic_bytes for c in self.collectives),
+            "analytic": int(sum(t.traffic_bytes for t in self.analytic_collectives)),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``spmd plan --json``)."""
@@ -48,6 +59,8 @@ class Report:
             "per_device_bytes": self.per_device_bytes,
             "compiled_memory": self.compiled_memory,
             "collectives": [c.to_dict() for c in self.collectives],
+            "analytic_collectives": [t.to_dict() for t in self.analytic_collectives],
+            "comm_bytes_per_step": self.comm_bytes_per_step,
             "warnings": list(self.warnings),
         }
 
@@ -88,6 +101,10 @@ class Report:
             )
         if not self.collectives:
             comms.add_row("none", "", "", "", "", "")
+        traffic = self.comm_bytes_per_step
+        comms.caption = (
+            f"traffic per device per step: compiled {_mb(traffic['compiled'])}, analytic {_mb(traffic['analytic'])}"
+        )
         parts: list[Any] = [params, memory, comms]
         parts += [f"[yellow]warning:[/] {w}" for w in self.warnings]
         return Group(*parts)
@@ -128,10 +145,12 @@ def report(step: TrainStep, batch: Any) -> Report:
     """
     compiled = step.compiled if step.compiled is not None else step.compile(batch)
     layout = step.layout
-    params = sum(row.bytes_per_device for row in layout.params.leaves)
-    optimizer = sum(row.bytes_per_device for row in layout.opt_state.leaves)
-    per_device = {"params": params, "grads": params, "optimizer": optimizer, "total": 2 * params + optimizer}
+    inventory = tuple(collectives(compiled.as_text(), step.mesh))
+    analytic = tuple(costmodel.data_parallel_traffic(layout, step.plan, step.mesh.shape))
     warnings = list(layout.params.unused_rules) + list(layout.params.notes)
+    flag = costmodel.compare(sum(c.traffic_bytes for c in inventory), sum(t.traffic_bytes for t in analytic))
+    if flag:
+        warnings.append(f"collective traffic: {flag}")
     if step.mesh.size > 1:
         warnings += [
             f"{row.path} ({_mb(row.bytes)}) is fully replicated on all {row.replicas} devices; "
@@ -143,9 +162,10 @@ def report(step: TrainStep, batch: Any) -> Report:
         mesh_axes=dict(step.mesh.shape),
         plan=step.plan,
         params=layout.params.leaves,
-        per_device_bytes=per_device,
+        per_device_bytes=costmodel.model_state_bytes(layout),
         compiled_memory=memory_of(compiled),
-        collectives=tuple(collectives(compiled.as_text(), step.mesh)),
+        collectives=inventory,
+        analytic_collectives=analytic,
         warnings=tuple(warnings),
     )
 

@@ -26,11 +26,15 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """The plan applied to the training state: parameter rows, optimizer rows, and the state's shardings."""
+    """The plan applied to the training state: rows for parameters, gradients and optimizer state, and the
+    shardings of the state and of the gradients (which ZeRO-2 splits while the parameters stay whole)."""
 
     params: Layout
+    grads: Layout
     opt_state: Layout
+    moments: Layout  # per parameter, the layout an optimizer moment mirroring it takes (ZeRO-1/2 split these)
     shardings: TrainState
+    grad_shardings: Any
 
 
 def shard(tree: Any, plan: Plan, mesh: Mesh) -> Any:
@@ -82,15 +86,16 @@ class TrainStep:
         """Applies the plan to (abstract, possibly annotated) parameters and the optimizer state they imply."""
         abstract = jax.eval_shape(unbox, annotated_params)
         params = self.plan.resolve(annotated_params, self.mesh)
+        grads = self.plan.resolve(annotated_params, self.mesh, role="grads")
+        moments = self.plan.resolve(annotated_params, self.mesh, role="optimizer")
         opt_abstract = jax.eval_shape(self.optimizer.init, abstract)
         opt_state = self.plan.resolve(opt_abstract, self.mesh, params=annotated_params)
         named = lambda specs: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.layout = StateLayout(
-            params, opt_state, TrainState(replicated, named(params.specs), named(opt_state.specs))
-        )
+        state = TrainState(replicated, named(params.specs), named(opt_state.specs))
+        self.layout = StateLayout(params, grads, opt_state, moments, state, named(grads.specs))
         self.compiled = None
         return self.layout
 
@@ -114,8 +119,9 @@ class TrainStep:
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         with activate(self.plan, self.mesh):
             loss, grads = jax.value_and_grad(self.loss_fn)(state.params, batch)
-        # Gradients take the parameters' layout before the update, so the compiler reduces them straight into it.
-        grads = jax.lax.with_sharding_constraint(grads, self.layout.shardings.params)
+        # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
+        # compiler reduces them straight into it.
+        grads = jax.lax.with_sharding_constraint(grads, self.layout.grad_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state), loss

@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--steps", type=int, default=10, help="training steps")
     run.add_argument("--check", action="store_true", help="also train on one device and compare")
+    compare = sub.add_parser("compare", help="several strategies side by side: memory, traffic, step time")
+    common(compare)
+    compare.add_argument("--strategies", default="dp,zero1,zero2,zero3", help="comma-separated --strategy values")
+    compare.add_argument("--timed-steps", type=int, default=3, help="steps timed per strategy (median reported)")
+    compare.add_argument("--plot", help="write a bar chart of memory and traffic to this PNG file")
     demo = sub.add_parser("demo", help="the main job: gpt-tiny on data=2 × fsdp=2 × tensor=2, checked")
     common(demo, demo=True)
     demo.add_argument("--steps", type=int, default=DEMO["steps"])
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         _check_args(args)
         _start_devices(args.devices)
-        return {"plan": _plan, "run": _run, "demo": _demo}[args.command](args)
+        return {"plan": _plan, "run": _run, "compare": _compare, "demo": _demo}[args.command](args)
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not _is_user_error(e):
             raise
@@ -74,7 +79,7 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "devices", "layers"):
+    for name in ("steps", "batch_size", "devices", "layers", "timed_steps"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -105,7 +110,10 @@ def _setup(model_name: str, mesh_text: str, strategy: str, layers: int | None) -
     axes = spmd.parse_mesh(mesh_text)
     mesh = spmd.make_mesh(axes)
     plan = strategies.from_names(strategy, dict(mesh.shape))
-    model = models.get(model_name, **({"layers": layers} if layers else {}))
+    overrides = {"layers": layers} if layers else {}
+    if plan.remat and model_name in models.BUILTIN:  # user factories need not know the option
+        overrides["remat"] = True
+    model = models.get(model_name, **overrides)
     return model, mesh, plan
 
 
@@ -223,6 +231,95 @@ def _run(args: argparse.Namespace) -> int:
             console.print(f"one device: {' '.join(f'{x:.4f}' for x in out['reference_losses'])}")
             console.print(f"max |difference| over losses and parameters: {out['max_abs_diff']:.2e}")
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import statistics
+    import time
+
+    import jax
+
+    import spmd
+
+    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    if not names:
+        raise UsageError("--strategies is empty; give names like dp,zero1,zero2,zero3")
+    setups = [(name, *_setup(args.model, args.mesh, name, args.layers)) for name in names]  # all errors first
+    rows = []
+    for name, model, mesh, plan in setups:
+        step = _trainer(model, plan, mesh, args)
+        state = step.init(model.init, jax.random.key(args.seed))
+        rep = spmd.report(step, _batch(model, args.seed, 0, args.batch_size))
+        times = []
+        for i in range(args.timed_steps):
+            batch = _batch(model, args.seed, i, args.batch_size)
+            start = time.perf_counter()
+            state, loss = step(state, batch)
+            loss.block_until_ready()
+            times.append(time.perf_counter() - start)
+        d = rep.to_dict()
+        row = {"strategy": name, "plan": d["plan"], "per_device_bytes": d["per_device_bytes"]}
+        row |= {k: d[k] for k in ("compiled_memory", "collectives", "comm_bytes_per_step", "warnings")}
+        row["step_time_s"] = statistics.median(times)
+        rows.append(row)
+        del state
+    if args.plot:
+        _plot_compare(rows, args.plot)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    _console().print(_compare_table(rows, model.name, mesh))
+    return 0
+
+
+def _compare_table(rows: list[dict], model: str, mesh: Any) -> Any:
+    from rich.table import Table
+
+    from spmd._report import _mb
+
+    shown = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    table = Table(title=f"{model} on {shown}: per device, per step", title_justify="left")
+    for col in ("strategy", "model state", "compiled args+temp", "traffic compiled", "traffic analytic", "step"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in rows:
+        mem = r["compiled_memory"]
+        table.add_row(
+            r["strategy"],
+            _mb(r["per_device_bytes"]["total"]),
+            _mb(mem.get("argument_bytes", 0) + mem.get("temp_bytes", 0)),
+            _mb(r["comm_bytes_per_step"]["compiled"]),
+            _mb(r["comm_bytes_per_step"]["analytic"]),
+            f"{r['step_time_s'] * 1e3:.0f} ms",
+        )
+    return table
+
+
+def _plot_compare(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [r["strategy"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.6))
+    mib = 1 / (1 << 20)
+    state = [r["per_device_bytes"]["total"] * mib for r in rows]
+    peak = [
+        (r["compiled_memory"].get("argument_bytes", 0) + r["compiled_memory"].get("temp_bytes", 0)) * mib for r in rows
+    ]
+    mem.bar(x - 0.2, state, 0.4, label="model state (planned)")
+    mem.bar(x + 0.2, peak, 0.4, label="arguments + temporaries (compiled)")
+    mem.set(title="memory per device", ylabel="MiB", xticks=x, xticklabels=names)
+    mem.legend(fontsize=8)
+    comm.bar(x - 0.2, [r["comm_bytes_per_step"]["compiled"] * mib for r in rows], 0.4, label="compiled")
+    comm.bar(x + 0.2, [r["comm_bytes_per_step"]["analytic"] * mib for r in rows], 0.4, label="analytic")
+    comm.set(title="collective traffic per device per step", ylabel="MiB", xticks=x, xticklabels=names)
+    comm.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -6,12 +6,18 @@ from spmd import Plan
 from spmd._plan import ShardLargest
 
 
-def fsdp(*, axis: str = "fsdp", min_bytes: int = 4096, avoid: tuple[str, ...] = ("layers",)) -> Plan:
+def fsdp(
+    *, axis: str = "fsdp", min_bytes: int = 4096, avoid: tuple[str, ...] = ("layers",), remat: bool = True
+) -> Plan:
     """Splits each parameter of at least ``min_bytes`` over ``axis`` on its largest dimension that the axis
     divides and that no other part of the plan took; the batch is split over ``axis`` too.
 
     Works on any model, annotated or not. Dimensions whose logical name is in ``avoid`` are never chosen:
     splitting the stacked ``layers`` dimension would make a scan gather every layer at once.
+
+    ``remat`` asks the model to rematerialise each layer in the backward pass: without it XLA keeps every
+    gathered weight alive from the forward to the backward pass and FSDP saves no peak memory; with it each
+    layer's weights are gathered again in the backward pass (the ZeRO paper's 3Ψ traffic).
 
     >>> import numpy as np
     >>> fsdp(axis="fsdp", min_bytes=0).specs({"w": np.zeros((4, 16))}, {"fsdp": 4})
@@ -19,4 +25,5 @@ def fsdp(*, axis: str = "fsdp", min_bytes: int = 4096, avoid: tuple[str, ...] = 
     """
     if min_bytes < 0:
         raise ValueError(f"strategies.fsdp: min_bytes must be >= 0, got {min_bytes}")
-    return Plan(parts=(ShardLargest(axis=axis, min_bytes=min_bytes, avoid=tuple(avoid)),), batch_axes=(axis,))
+    part = ShardLargest(axis=axis, min_bytes=min_bytes, avoid=tuple(avoid))
+    return Plan(parts=(part,), batch_axes=(axis,), remat=remat)

@@ -90,11 +90,40 @@ def test_run_with_a_user_factory(capsys):
     assert len(json.loads(out)["losses"]) == 2
 
 
+def test_compare_rows_and_plot(capsys, tmp_path):
+    plot = tmp_path / "compare.png"
+    code, out, _ = run_cli(
+        capsys,
+        "compare",
+        "--model",
+        "gpt-tiny",
+        "--layers",
+        "2",
+        "--mesh",
+        "data=8",
+        "--strategies",
+        "dp,zero3",
+        "--timed-steps",
+        "2",
+        "--json",
+        "--plot",
+        str(plot),
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["strategy"] for r in rows] == ["dp", "zero3"]
+    for r in rows:
+        assert {"per_device_bytes", "compiled_memory", "collectives", "comm_bytes_per_step", "step_time_s"} <= set(r)
+        assert set(r["comm_bytes_per_step"]) == {"compiled", "analytic"} and r["step_time_s"] > 0
+    assert rows[1]["per_device_bytes"]["total"] < rows[0]["per_device_bytes"]["total"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
 BAD = [
     (["plan", "--mesh", "data=5", "--strategy", "dp"], r"mesh data=5 needs 5 devices but 8 are present"),
     (
         ["plan", "--mesh", "data=8", "--strategy", "nope"],
-        r"unknown strategy 'nope'; choose from dp, fsdp, tp",
+        r"unknown strategy 'nope'; choose from dp, fsdp, tp, zero1",
     ),
     (
         ["plan", "--mesh", "data=8", "--strategy", "tp"],
@@ -112,6 +141,7 @@ BAD = [
         r"batch of shape \(12, 32\) cannot be split .* \(8 ways\)",
     ),
     (["plan", "--frobnicate"], r"unrecognized arguments: --frobnicate"),
+    (["compare", "--mesh", "data=8", "--strategies", "dp,zero9"], r"unknown strategy 'zero9'"),
 ]
 
 

@@ -22,7 +22,19 @@ SHAPES = {
     "fsdp+tp": [(1, 2, 4), (1, 4, 2), (2, 2, 2)],
     "dp+fsdp+tp": [(2, 2, 2), (1, 2, 4), (4, 1, 2)],
 }
+# The ZeRO family on two shapes each, linen only: they change only where state lives, not the model code.
+ZERO_SHAPES = {
+    "zero1": [(8, 1, 1), (4, 2, 1)],
+    "zero2": [(8, 1, 1), (4, 1, 2)],
+    "zero3": [(8, 1, 1), (4, 2, 1)],
+    "hsdp": [(2, 4, 1), (4, 2, 1)],
+    "zero2+tp": [(4, 1, 2), (2, 2, 2)],
+}
 CASES = [(kind, name, shape) for kind in ("linen", "nnx") for name, shapes in SHAPES.items() for shape in shapes]
+CASES += [("linen", name, shape) for name, shapes in ZERO_SHAPES.items() for shape in shapes]
+# Mesh axes each strategy splits the parameters over, and those it splits only gradients/optimizer state over.
+PARAM_AXES = {"fsdp": {"fsdp"}, "tp": {"tensor"}, "zero3": {"data"}, "hsdp": {"fsdp"}}
+STATE_ONLY_AXES = {"zero1": {"data"}, "zero2": {"data"}}
 
 
 def _model(kind):
@@ -64,9 +76,15 @@ def test_sharded_step_equals_single_device(reference, kind, name, shape):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
     assert_trees_close(state.opt_state, ref_state.opt_state, rtol=1e-5, atol=1e-5, relative_to_max=True)
-    # The layout really is the plan's: a kernel is split over every axis the strategy names (size > 1).
-    kernel = state.params["params"]["layers"]["mlp"]["wi"]["kernel"]
-    used = {a for e in kernel.sharding.spec if e for a in ((e,) if isinstance(e, str) else e) if mesh.shape[a] > 1}
+    # The layout really is the plan's: a kernel is split over every axis the strategy names (size > 1), and
+    # ZeRO-1/2 split the optimizer state while the parameter stays whole.
     parts = name.split("+")
-    wanted = {axis for part, axis in (("fsdp", "fsdp"), ("tp", "tensor")) if part in parts and mesh.shape[axis] > 1}
-    assert used == wanted, (kernel.sharding.spec, wanted)
+    split = lambda a: {
+        x for e in a.sharding.spec if e for x in ((e,) if isinstance(e, str) else e) if mesh.shape[x] > 1
+    }
+    kernel = state.params["params"]["layers"]["mlp"]["wi"]["kernel"]
+    moment = state.opt_state[0].trace["params"]["layers"]["mlp"]["wi"]["kernel"]
+    wanted = {a for p in parts for a in PARAM_AXES.get(p, ()) if mesh.shape[a] > 1}
+    assert split(kernel) == wanted, (kernel.sharding.spec, wanted)
+    wanted |= {a for p in parts for a in STATE_ONLY_AXES.get(p, ()) if mesh.shape[a] > 1}
+    assert split(moment) == wanted, (moment.sharding.spec, wanted)

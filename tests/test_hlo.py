@@ -142,12 +142,99 @@ def test_without_mesh_axes_are_empty(mesh: Mesh) -> None:
     assert ops == [Collective("all-reduce", (), 2, 1, 32, 32)]
     assert ops[0].to_dict() == {
         "kind": "all-reduce",
+        "raw_kind": "all-reduce",
         "count": 1,
         "bytes": 32,
         "traffic_bytes": 32,
         "axes": [],
         "group_size": 2,
     }
+
+
+# ------------------------------------------------------------- all-reduce + dynamic-slice = reduce-scatter
+
+W_GRAD, B_GRAD = 64 * 256 * 4, 256 * 4
+
+
+@pytest.fixture(scope="module")
+def data_mesh() -> Mesh:
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py emulates them on CPU)")
+    return Mesh(np.array(jax.devices()[:8]), ("data",))
+
+
+def _loss(params, x):
+    w, b = params
+    return jnp.mean(jnp.tanh(x @ w + b) ** 2)
+
+
+def _grad_text(mesh: Mesh, grad_specs) -> str:
+    """Replicated params, a batch split over ``data``, and the grads constrained to ``grad_specs``."""
+    named = lambda spec: NamedSharding(mesh, spec)
+
+    def grads(params, x):
+        return lax.with_sharding_constraint(jax.grad(_loss)(params, x), tuple(map(named, grad_specs)))
+
+    params = (jnp.ones((64, 256), jnp.float32), jnp.ones((256,), jnp.float32))
+    step = jax.jit(grads, in_shardings=((named(P()), named(P())), named(P("data"))))
+    return step.lower(params, jnp.ones((32, 64), jnp.float32)).compile().as_text()
+
+
+def test_zero2_sharded_gradients_count_as_reduce_scatter(data_mesh: Mesh) -> None:
+    text = _grad_text(data_mesh, (P("data", None), P("data")))
+    # What the CPU program runs: one combined all-reduce of both grads, each then dynamic-sliced to its 1/8
+    # (inside a fusion, at an offset computed from partition-id).
+    assert "(f32[256,64]{1,0}, f32[256]{0}) all-reduce(" in text and "reduce-scatter" not in text
+    assert "f32[32]{0} dynamic-slice(" in text and "f32[256,8]{1,0} dynamic-slice(" in text
+    size = W_GRAD + B_GRAD
+    # Reduce-scatter ring traffic: (8-1)/8 of the full buffer, half the all-reduce's.
+    assert collectives(text, data_mesh) == [
+        Collective("reduce-scatter", ("data",), 8, 1, size, size * 7 // 8, raw_kind="all-reduce")
+    ]
+
+
+def test_replicated_gradients_stay_all_reduce(data_mesh: Mesh) -> None:
+    size = W_GRAD + B_GRAD
+    ops = collectives(_grad_text(data_mesh, (P(), P())), data_mesh)
+    assert ops == [Collective("all-reduce", ("data",), 8, 1, size, size * 7 // 4)]
+    assert ops[0].raw_kind == "all-reduce"
+
+
+def test_combined_all_reduce_splits_between_kinds(data_mesh: Mesh) -> None:
+    # Only the weight's grad is sharded: its tuple element is sliced, the bias's is returned whole.
+    text = _grad_text(data_mesh, (P("data", None), P()))
+    assert "(f32[256,64]{1,0}, f32[256]{0}) all-reduce(" in text
+    assert collectives(text, data_mesh) == [
+        Collective("reduce-scatter", ("data",), 8, 1, W_GRAD, W_GRAD * 7 // 8, raw_kind="all-reduce"),
+        Collective("all-reduce", ("data",), 8, 1, B_GRAD, B_GRAD * 7 // 4),
+    ]
+
+
+def test_fsdp_gradient_reduction_counts_as_reduce_scatter(data_mesh: Mesh) -> None:
+    named = lambda *spec: NamedSharding(data_mesh, P(*spec))
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+    grad = jax.jit(jax.grad(loss), in_shardings=(named("data", None), named("data")), out_shardings=named("data"))
+    text = grad.lower(jnp.ones((64, 256), jnp.float32), jnp.ones((32, 64), jnp.float32)).compile().as_text()
+    # The all-reduce's only user is a fusion that dynamic-slices its parameter and transposes the slice.
+    assert "f32[256,64]{1,0} all-reduce(" in text and "f32[256,8]{1,0} dynamic-slice(" in text
+    assert collectives(text, data_mesh) == [
+        Collective("all-gather", ("data",), 8, 1, W_GRAD, W_GRAD * 7 // 8),
+        Collective("reduce-scatter", ("data",), 8, 1, W_GRAD, W_GRAD * 7 // 8, raw_kind="all-reduce"),
+    ]
+
+
+def test_table_lookup_offsets_and_permuted_elements(mesh: Mesh) -> None:
+    # Over (data, fsdp, tensor) = (2, 2, 2) XLA all-reduces the weight's grad over data, then collective-permutes
+    # it (not a slice: stays all-reduce); the bias's grad is dynamic-sliced at an offset read from a per-device
+    # table indexed by partition-id (a slice all the same).
+    text = _grad_text(mesh, (P("data", None), P("data")))
+    assert "collective-permute(%get-tuple-element" in text and "u32[8]{0} constant({0, 0, 0, 0, 1, 1, 1, 1})" in text
+    half_w = W_GRAD // 2
+    assert collectives(text, mesh) == [
+        Collective("all-reduce", ("data",), 2, 1, half_w, half_w),
+        Collective("collective-permute", ("data", "fsdp"), 2, 1, half_w, half_w),
+        Collective("reduce-scatter", ("data",), 2, 1, B_GRAD, B_GRAD // 2, raw_kind="all-reduce"),
+    ]
 
 
 # --------------------------------------------------------------------------------- literal HLO text
@@ -286,3 +373,96 @@ def test_shape_bytes() -> None:
     assert _shape_bytes("f32[8,128]{1,0:T(8,128)S(1)}") == 4096
     assert _shape_bytes("((f32[2]{0}, s64[2]{0}), u8[5], token[])") == 8 + 16 + 5
     assert _shape_bytes("f32[<=16,4]") == 256
+
+
+SLICED_HLO = """\
+HloModule sliced, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused (p0: f32[16,32], p1: s32[]) -> f32[8,16] {
+  %p0 = f32[16,32]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[16,8]{1,0} dynamic-slice(%p0, %zero, %p1), dynamic_slice_sizes={16,8}
+  ROOT %t = f32[8,16]{0,1} transpose(%ds), dimensions={1,0}
+}
+
+ENTRY %main (x: f32[16,32], i: s32[]) -> (f32[4,32], f32[8,16], f32[16,16], f32[8,16], f32[4,32], f32[16,32]) {
+  %x = f32[16,32]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %ar.1 = f32[16,32]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %bc = f32[512]{0} bitcast(%ar.1)
+  %cp = f32[512]{0} copy(%bc)
+  %s1 = f32[128]{0} slice(%cp), slice={[0:128]}
+  %ar.2 = f32[16,32]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %f2 = f32[8,16]{0,1} fusion(%ar.2, %i), kind=kLoop, calls=%fused
+  %ar.3 = f32[16,32]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %s3 = f32[16,16]{1,0} dynamic-slice(%ar.3, %zero.1, %i), dynamic_slice_sizes={16,16}
+  %ar.4 = f32[16,32]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %s4 = f32[8,16]{1,0} dynamic-slice(%ar.4, %i, %i), dynamic_slice_sizes={8,16}
+  %ar.5 = f32[16,32]{1,0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %s5 = f32[4,32]{1,0} dynamic-slice(%ar.5, %i, %zero.1), dynamic_slice_sizes={4,32}
+  %n5 = f32[16,32]{1,0} negate(%ar.5)
+  %ars = f32[16,32]{1,0} all-reduce-start(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %ard = f32[16,32]{1,0} all-reduce-done(%ars)
+  %s6 = f32[4,32]{1,0} dynamic-slice(%ard, %i, %zero.1), dynamic_slice_sizes={4,32}
+  ROOT %out = (f32[4,32]{1,0}, f32[8,16]{0,1}, f32[16,16]{1,0}, f32[8,16]{1,0}, f32[4,32]{1,0}, f32[16,32]{1,0}) \
+tuple(%s6, %f2, %s3, %s4, %s5, %n5)
+}
+"""
+
+
+def test_which_slices_make_a_reduce_scatter() -> None:
+    s = F32_16x32
+    # Recognised: a static slice behind bitcast + copy (%ar.1), a fused dynamic-slice (%ar.2), an async pair
+    # (%ars). Not: half instead of a quarter (%ar.3), a quarter split over two dims (%ar.4), a slice next to
+    # another use (%ar.5).
+    assert collectives(SLICED_HLO) == [
+        Collective("all-reduce", (), 4, 3, 3 * s, 3 * s * 3 // 2),
+        Collective("reduce-scatter", (), 4, 3, 3 * s, 3 * s * 3 // 4, raw_kind="all-reduce"),
+    ]
+    # The same ops in a while body count once per iteration; a value the body returns is not only sliced.
+    body = SLICED_HLO.replace("ENTRY %main", "%body").replace("HloModule sliced, num_partitions=4", "")
+    looped = f"""HloModule looped, num_partitions=4
+{body}
+%cond (t: (f32[16,32], s32[])) -> pred[] {{
+  %t = (f32[16,32]{{1,0}}, s32[]) parameter(0)
+  ROOT %p = pred[] constant(true)
+}}
+
+%loop_body (t.1: (f32[16,32], s32[])) -> (f32[16,32], s32[]) {{
+  %t.1 = (f32[16,32]{{1,0}}, s32[]) parameter(0)
+  %x.1 = f32[16,32]{{1,0}} get-tuple-element(%t.1), index=0
+  %i.1 = s32[] get-tuple-element(%t.1), index=1
+  %c = (f32[4,32]{{1,0}}, f32[8,16]{{0,1}}, f32[16,16]{{1,0}}, f32[8,16]{{1,0}}, f32[4,32]{{1,0}}, f32[16,32]{{1,0}}) \
+call(%x.1, %i.1), to_apply=%body
+  %r = f32[16,32]{{1,0}} all-reduce(%x.1), replica_groups={{{{0,1,2,3}}}}, to_apply=%add
+  ROOT %o = (f32[16,32]{{1,0}}, s32[]) tuple(%r, %i.1)
+}}
+
+ENTRY %main.2 (x.2: f32[16,32]) -> (f32[16,32], s32[]) {{
+  %x.2 = f32[16,32]{{1,0}} parameter(0)
+  %zero.2 = s32[] constant(0)
+  %init = (f32[16,32]{{1,0}}, s32[]) tuple(%x.2, %zero.2)
+  ROOT %w = (f32[16,32]{{1,0}}, s32[]) while(%init), condition=%cond, body=%loop_body, \
+backend_config={{"known_trip_count":{{"n":"5"}}}}
+}}
+"""
+    assert collectives(looped) == [
+        Collective("all-reduce", (), 4, 20, 20 * s, 20 * s * 3 // 2),
+        Collective("reduce-scatter", (), 4, 15, 15 * s, 15 * s * 3 // 4, raw_kind="all-reduce"),
+    ]
+
+
+def test_real_reduce_scatter_keeps_its_raw_kind(mesh: Mesh) -> None:
+    ops = collectives(ASYNC_HLO, mesh)
+    assert {(c.kind, c.raw_kind) for c in ops if "reduce" in c.kind} == {
+        ("all-reduce", "all-reduce"),
+        ("reduce-scatter", "reduce-scatter"),
+    }

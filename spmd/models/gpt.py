@@ -203,7 +203,10 @@ class GPT(nn.Module):
         x, _ = stack(c, name="layers")(x)
 
         x = _layer_norm(c, "ln_f")(x)
-        logits = nn.Dense(
+        # With remat the head is recomputed in the backward pass too, so FSDP re-gathers its kernel there instead
+        # of keeping the full vocab × embed matrix alive across the whole step.
+        head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
+        logits = head(
             c.vocab,
             use_bias=False,
             dtype=c.dtype,

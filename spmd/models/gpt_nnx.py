@@ -136,6 +136,8 @@ _LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}
 _scan_blocks = nnx.scan(_run_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
 # Remat inside the scan body: each scanned step recomputes its activations in the backward pass
 # (prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation).
+_head_remat = nnx.remat(lambda head, x: head(x), policy=jax.checkpoint_policies.nothing_saveable)
+
 _scan_blocks_remat = nnx.scan(
     nnx.remat(_run_block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False),
     in_axes=(nnx.Carry, 0),
@@ -192,4 +194,7 @@ class GPT(nnx.Module):
             raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
         x = constrain(self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None], RESIDUAL)
         x = (_scan_blocks_remat if c.remat else _scan_blocks)(x, self.layers)
-        return constrain(self.lm_head(self.ln_f(x)), LOGITS)
+        x = self.ln_f(x)
+        # With remat the head is recomputed in the backward pass too (see the linen GPT).
+        logits = _head_remat(self.lm_head, x) if c.remat else self.lm_head(x)
+        return constrain(logits, LOGITS)
