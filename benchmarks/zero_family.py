@@ -44,8 +44,14 @@ def main() -> None:
     paper = {"dp": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n, "zero3": 16 * psi / n}
     dp = reports["dp"]
     table = Table(title=f"{args.model}, data={n}, batch {args.batch_size}: per device, per step", title_justify="left")
-    for col in ("stage", "state / formula", "state / dp", "args+temp / dp", "traffic compiled / analytic",
-                "traffic / dp"):
+    for col in (
+        "stage",
+        "state / formula",
+        "state / dp",
+        "args+temp / dp",
+        "traffic compiled / analytic",
+        "traffic / dp",
+    ):
         table.add_column(col, justify="right")
 
     def used(r):

@@ -103,19 +103,33 @@ class LogicalRules:
             return [], None
         # A rule counts as used when its logical name occurs, even if an earlier rule took the dimension.
         hits = [i for i, (logical, _) in enumerate(self.rules) if logical in leaf.names]
-        used: set[str] = set()
-        out: list[tuple[str, ...]] = []
-        for name in leaf.names:
-            chosen = self.lookup(name, used)
-            used |= set(chosen)
-            out.append(chosen)
-        return hits, tuple(out)
+        return hits, assign_by_rules(leaf.names, self.rules)
 
-    def lookup(self, name: str | None, used: set[str]) -> tuple[str, ...]:
-        for logical, axes in self.rules:
-            if logical == name and axes and not used & set(axes):
-                return axes
-        return ()
+
+def assign_by_rules(
+    names: Sequence[str | None], rules: Sequence[tuple[str, tuple[str, ...]]], used: frozenset[str] = frozenset()
+) -> tuple[tuple[str, ...], ...]:
+    """Mesh axes per dimension from ordered logical rules: rules are tried in order, each giving its axes to the
+    first still-unassigned dimension of its name if none of those axes is taken yet.
+
+    Rule order, not dimension order, decides: with ``heads → tensor`` before ``seq → tensor`` an attention
+    activation ``(batch, seq, heads, head_dim)`` splits its heads, while the residual ``(batch, seq, embed)``
+    splits its sequence (Megatron's sequence parallelism).
+
+    >>> assign_by_rules(("seq", "heads"), [("heads", ("tensor",)), ("seq", ("tensor",))])
+    ((), ('tensor',))
+    """
+    taken = set(used)
+    out: list[tuple[str, ...]] = [()] * len(names)
+    for logical, axes in rules:
+        if not axes or taken & set(axes):
+            continue
+        for d, name in enumerate(names):
+            if name == logical and not out[d]:
+                out[d] = axes
+                taken |= set(axes)
+                break
+    return tuple(out)
 
 
 ROLES = ("params", "grads", "optimizer")
@@ -431,26 +445,15 @@ class Plan:
     def activation_spec(self, names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
         """The layout for an activation named by logical axes (used by :func:`spmd.constrain`)."""
         sizes = _sizes(mesh)
-        used: set[str] = set()
-        entries: list[tuple[str, ...]] = []
-        for dim, name in enumerate(names):
-            axes: tuple[str, ...] = ()
-            if name == "batch":
-                axes = tuple(a for a in self.batch_axes if a not in used)
-            else:
-                for part in self.parts:
-                    if isinstance(part, LogicalRules):
-                        axes = part.lookup(name, used)
-                        if axes:
-                            break
+        rules = [("batch", self.batch_axes)] + [r for p in self.parts if isinstance(p, LogicalRules) for r in p.rules]
+        entries = assign_by_rules(names, rules)
+        for dim, axes in enumerate(entries):
             ways = math.prod(sizes[a] for a in axes)
             if axes and shape[dim] % ways:
                 raise PlanError(
-                    f"spmd.constrain: activation dimension {dim} ({name!r}) of shape {shape} has size {shape[dim]}, "
-                    f"not divisible by mesh axes {axes} ({ways} ways); change the sizes or the plan's rules"
+                    f"spmd.constrain: activation dimension {dim} ({names[dim]!r}) of shape {shape} has size "
+                    f"{shape[dim]}, not divisible by mesh axes {axes} ({ways} ways); change the sizes or the rules"
                 )
-            used |= set(axes)
-            entries.append(axes)
         return _to_spec(entries)
 
     # -- internals ----------------------------------------------------------------------------------------

@@ -10,15 +10,27 @@ from collections.abc import Callable, Mapping
 from spmd import Plan
 from strategies.data_parallel import data_parallel
 from strategies.fsdp import fsdp
-from strategies.tensor import tensor_parallel
+from strategies.tensor import sequence_parallel, tensor_parallel
 from strategies.zero import hsdp, zero1, zero2, zero3
 
-__all__ = ["REGISTRY", "data_parallel", "from_names", "fsdp", "hsdp", "tensor_parallel", "zero1", "zero2", "zero3"]
+__all__ = [
+    "REGISTRY",
+    "data_parallel",
+    "from_names",
+    "fsdp",
+    "hsdp",
+    "sequence_parallel",
+    "tensor_parallel",
+    "zero1",
+    "zero2",
+    "zero3",
+]
 
 REGISTRY: dict[str, Callable[[], Plan]] = {
     "dp": lambda: data_parallel(axis="data"),
     "fsdp": lambda: fsdp(axis="fsdp"),
     "tp": lambda: tensor_parallel(axis="tensor"),
+    "sp": lambda: sequence_parallel(axis="tensor"),
     "zero1": lambda: zero1(axis="data"),
     "zero2": lambda: zero2(axis="data"),
     "zero3": lambda: zero3(axis="data"),

@@ -31,3 +31,20 @@ def tensor_parallel(*, axis: str = "tensor", rules: Sequence[tuple[str, Any]] = 
         plan = plan + Plan.from_rules(rules, source="tensor_parallel rules")
     defaults = [(_COLUMN, (None, axis)), (_ROW, (axis, None))]
     return plan + Plan.from_rules(defaults, source="tensor_parallel", only_unannotated=True, report_unused=False)
+
+
+def sequence_parallel(*, axis: str = "tensor") -> Plan:
+    """Megatron sequence parallelism: tensor parallelism, plus the regions between the blocks (residual stream,
+    layer norms, dropout) split on the sequence dimension over the same ``axis``. The compiler then turns each
+    block's activation all-reduce into a reduce-scatter (into the sequence shards) and an all-gather (before the
+    next block), and the norm regions' activations take 1/``axis`` of the memory.
+
+    Acts through activation constraints named ``seq`` in model code (:func:`spmd.constrain`); parameters are laid
+    out as by :func:`tensor_parallel`.
+
+    >>> from spmd import Plan
+    >>> sequence_parallel().activation_spec(("batch", "seq", "embed"), (8, 32, 64), {"tensor": 2})
+    P(None, 'tensor', None)
+    """
+    seq = Plan(parts=(LogicalRules((("seq", (axis,)),), "sequence_parallel", report_unused=False),))
+    return tensor_parallel(axis=axis) + seq

@@ -22,18 +22,20 @@ SHAPES = {
     "fsdp+tp": [(1, 2, 4), (1, 4, 2), (2, 2, 2)],
     "dp+fsdp+tp": [(2, 2, 2), (1, 2, 4), (4, 1, 2)],
 }
-# The ZeRO family on two shapes each, linen only: they change only where state lives, not the model code.
-ZERO_SHAPES = {
+# Later strategies on two shapes each, linen only (nnx shares the layout code and the constraints).
+EXTRA_SHAPES = {
     "zero1": [(8, 1, 1), (4, 2, 1)],
     "zero2": [(8, 1, 1), (4, 1, 2)],
     "zero3": [(8, 1, 1), (4, 2, 1)],
     "hsdp": [(2, 4, 1), (4, 2, 1)],
     "zero2+tp": [(4, 1, 2), (2, 2, 2)],
+    "sp": [(2, 1, 4), (4, 1, 2)],
+    "dp+fsdp+sp": [(2, 2, 2), (4, 1, 2)],
 }
 CASES = [(kind, name, shape) for kind in ("linen", "nnx") for name, shapes in SHAPES.items() for shape in shapes]
-CASES += [("linen", name, shape) for name, shapes in ZERO_SHAPES.items() for shape in shapes]
+CASES += [("linen", name, shape) for name, shapes in EXTRA_SHAPES.items() for shape in shapes]
 # Mesh axes each strategy splits the parameters over, and those it splits only gradients/optimizer state over.
-PARAM_AXES = {"fsdp": {"fsdp"}, "tp": {"tensor"}, "zero3": {"data"}, "hsdp": {"fsdp"}}
+PARAM_AXES = {"fsdp": {"fsdp"}, "tp": {"tensor"}, "sp": {"tensor"}, "zero3": {"data"}, "hsdp": {"fsdp"}}
 STATE_ONLY_AXES = {"zero1": {"data"}, "zero2": {"data"}}
 
 
