@@ -1,0 +1,47 @@
+"""The benchmark scripts run end to end on tiny settings and print their tables (no timing is asserted)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(name, *args, timeout=180):
+    # A wide console keeps rich from wrapping the headers; the scripts start their own JAX with 8 CPU devices.
+    env = {
+        **os.environ,
+        "COLUMNS": "200",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_overhead_script():
+    out = run_script("overhead.py", "--model", "mlp", "--steps", "2", "--warmup", "1", "--batch-size", "8")
+    for label in ("spmd vs hand-written jax.jit", "HLO (normalised)", "spmd ms/step", "hand-written ms/step"):
+        assert label in out, out
+    assert "spmd / hand-written" in out and "goal: spmd / hand-written <= 1.02" in out, out
+    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("mlp"))
+    assert "identical" in row, out  # the toolkit's step compiles to exactly the hand-written program
+
+
+@pytest.mark.slow
+def test_planning_script():
+    out = run_script("planning.py", "--sizes", "100,1000", "--repeats", "2")
+    for label in ("plan.resolve on data=2,fsdp=2,tensor=2", "µs / leaf", "time / previous", "leaves / previous"):
+        assert label in out, out
+    assert "adam state, params=" in out and "growth 1,000/100" in out and "mirroring 2,001" in out, out
