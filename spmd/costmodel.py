@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from spmd._plan import LeafLayout, Plan
+from spmd._plan import LeafLayout, Plan, ShardLargest
 
 # A compiled figure more than this far from the analytic one is flagged in the report.
 TOLERANCE = 0.10
@@ -72,6 +72,9 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
     """
     sizes = dict(mesh_shape)
     batch = set(plan.batch_axes)
+    # Only splits made by an FSDP part are gathered before use; a dimension split by a rule (e.g. experts over
+    # the expert axis) is computed where it lives.
+    gathered_by = {part.source for part in plan.parts if isinstance(part, ShardLargest)}
     totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
 
     def add(kind: str, axes: set[str], buffer: float) -> None:
@@ -87,7 +90,12 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
     for p, g, m in zip(layout.params.leaves, layout.grads.leaves, layout.moments.leaves, strict=True):
         local = p.bytes_per_device
         p_axes, g_axes = _axes(p), _axes(g)
-        fsdp = p_axes & batch
+        fsdp = {
+            a
+            for e, src in zip(p.spec, p.sources, strict=True)
+            if e and src in gathered_by
+            for a in ((e,) if isinstance(e, str) else e)
+        } & batch
         n_fsdp = math.prod(sizes[a] for a in fsdp)
         zero2 = (g_axes - p_axes) & batch
         zero1 = ((_axes(m) - p_axes) & batch) - zero2

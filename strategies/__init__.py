@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 from spmd import Plan
 from strategies.data_parallel import data_parallel
+from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
 from strategies.tensor import sequence_parallel, tensor_parallel
 from strategies.zero import hsdp, zero1, zero2, zero3
@@ -16,6 +17,7 @@ from strategies.zero import hsdp, zero1, zero2, zero3
 __all__ = [
     "REGISTRY",
     "data_parallel",
+    "expert_parallel",
     "from_names",
     "fsdp",
     "hsdp",
@@ -35,6 +37,7 @@ REGISTRY: dict[str, Callable[[], Plan]] = {
     "zero2": lambda: zero2(axis="data"),
     "zero3": lambda: zero3(axis="data"),
     "hsdp": lambda: hsdp(shard_axis="fsdp", replicate_axis="data"),
+    "ep": lambda: expert_parallel(axis="expert"),
 }
 
 

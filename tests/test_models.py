@@ -20,6 +20,7 @@ SMALL_OVERRIDES = {
     "gpt-tiny-nnx": {"layers": 2},
     "gpt-small": {"layers": 2},
     "gpt-small-nnx": {"layers": 2},
+    "moe-tiny": {"layers": 2},
 }
 
 GPT_PATHS = {
@@ -44,6 +45,13 @@ MLP_PATHS = {
     "params/wi/kernel": ("embed", "mlp"),
     "params/wo/kernel": ("mlp", "embed"),
     "params/lm_head/kernel": ("embed", "vocab"),
+}
+
+
+MOE_PATHS = {k: v for k, v in GPT_PATHS.items() if "/mlp/" not in k} | {
+    "params/layers/moe/router": ("layers", "embed", None),
+    "params/layers/moe/wi": ("layers", "expert", "embed", "mlp"),
+    "params/layers/moe/wo": ("layers", "expert", "mlp", "embed"),
 }
 
 
@@ -85,7 +93,7 @@ def test_init_is_abstract_and_fully_annotated(builtin):
 
 
 def test_param_paths_and_names(builtin):
-    expected = MLP_PATHS if builtin.name == "mlp" else GPT_PATHS
+    expected = {"mlp": MLP_PATHS, "moe-tiny": MOE_PATHS}.get(builtin.name, GPT_PATHS)
     assert {path: box.names for path, box in flat(abstract(builtin)).items()} == expected
 
 

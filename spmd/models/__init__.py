@@ -293,6 +293,7 @@ BUILTIN: dict[str, Callable[..., Model]] = {
     "gpt-tiny-nnx": _nnx_factory("gpt-tiny-nnx", TINY),
     "gpt-small": _linen_factory("gpt-small", SMALL, _gpt),
     "gpt-small-nnx": _nnx_factory("gpt-small-nnx", SMALL),
+    "moe-tiny": _linen_factory("moe-tiny", TINY, lambda c: importlib.import_module("spmd.models.moe").MoeGPT(c)),
 }
 
 
@@ -330,7 +331,7 @@ def get(name: str, **overrides: Any) -> Model:
     >>> get("gpt-huge")
     Traceback (most recent call last):
     ...
-    ValueError: unknown model 'gpt-huge'; known models: gpt-small, gpt-small-nnx, gpt-tiny, gpt-tiny-nnx, mlp, or 'package.module:factory' for your own
+    ValueError: unknown model 'gpt-huge'; known models: gpt-small, gpt-small-nnx, gpt-tiny, gpt-tiny-nnx, mlp, moe-tiny, or 'package.module:factory' for your own
     """  # noqa: E501
     if name in BUILTIN:
         return BUILTIN[name](**overrides)
