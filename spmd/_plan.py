@@ -7,11 +7,13 @@ splits a kernel over both axes, and two parts that want different axes on one di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -359,6 +361,10 @@ class Plan:
         training state ``tree`` is ("params", "grads" or "optimizer"; default "optimizer" with ``params=``,
         else "params"): ZeRO-1/2 parts split only the optimizer state and gradients.
         """
+        with _gc_paused():
+            return self._resolve(tree, mesh, params=params, role=role)
+
+    def _resolve(self, tree: Any, mesh: Mesh | Mapping[str, int] | None, *, params: Any, role: str | None) -> Layout:
         role = role or ("optimizer" if params is not None else "params")
         if role not in ROLES:
             raise PlanError(f"Plan.resolve: role {role!r} must be one of {ROLES}")
@@ -597,6 +603,19 @@ class Plan:
         best = max(fits, key=lambda d: (leaf.shape[d], -d))  # largest, first on ties
         entries[best], owners[best] = (part.axis,), part.source
         return None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Resolution makes many small objects; a full collection over JAX's and flax's live objects in the middle of
+    it took a third of the time of a 10,000-leaf plan, so collection waits until the plan is done."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _quote(path: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -21,8 +22,8 @@ class Leaf:
     nbytes: int
     names: tuple[str | None, ...] | None  # logical axis names from a flax/nnx annotation, if any
 
-    @property
-    def path(self) -> str:
+    @functools.cached_property
+    def path(self) -> str:  # cached: every rule of every part matches against it
         return "/".join(self.keys)
 
 
