@@ -10,8 +10,8 @@ from spmd._context import activate, constrain
 from spmd._devices import emulate_devices
 from spmd._mesh import make_mesh, parse_mesh
 from spmd._plan import Layout, LeafLayout, Plan, PlanError, PlanWarning
-from spmd._report import Report, report
-from spmd._train import StateLayout, TrainState, TrainStep, shard, train_step
+from spmd._report import Report, format_bytes, report
+from spmd._train import StateLayout, TrainState, TrainStep, resolve_state, shard, train_step
 from spmd._tree import unbox
 
 __all__ = [
@@ -27,9 +27,11 @@ __all__ = [
     "activate",
     "constrain",
     "emulate_devices",
+    "format_bytes",
     "make_mesh",
     "parse_mesh",
     "report",
+    "resolve_state",
     "shard",
     "train_step",
     "unbox",

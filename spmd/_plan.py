@@ -145,13 +145,31 @@ class ShardLargest:
 
     ``applies_to`` names the training-state roles it lays out: all three for FSDP/ZeRO-3 (the parameters
     themselves are split), ``("optimizer",)`` for ZeRO-1 and ``("grads", "optimizer")`` for ZeRO-2, where the
-    parameters stay replicated."""
+    parameters stay replicated.
+
+    ``block > 1`` aligns shards to whole blocks of that many rows (veScale-FSDP), so a block-wise optimizer sees
+    whole blocks on every device: the chosen dimension's shard must be a multiple of ``block``. Where no free
+    dimension allows that, the one needing the least padding is padded up to a multiple of ``block`` × the axis
+    size; the layout records the padded shape, and the training step stores the padded array and slices it
+    before the model sees it. ``paths``, when given, limits the part to exactly those arrays (a per-parameter
+    choice such as OSDP's)."""
 
     axis: str
     min_bytes: int = 4096
     avoid: tuple[str, ...] = ("layers",)
     source: str = "fsdp"
     applies_to: tuple[str, ...] = ROLES
+    block: int = 1
+    paths: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise PlanError(f"{self.source}: block must be a positive number of rows, got {self.block}")
+        if self.block > 1 and "params" not in self.applies_to:
+            raise PlanError(
+                f"{self.source}: block-aligned shards need the parameters split too (the padded array is what "
+                f"is stored); use block alignment with fsdp/zero3/hsdp"
+            )
 
 
 Part = Union[PathRules, LogicalRules, ShardLargest]  # noqa: UP007
@@ -172,11 +190,25 @@ class LeafLayout:
     bytes_per_device: int
     replicas: int
     note: str | None = None
+    padded_shape: tuple[int, ...] | None = None  # what is stored, when block alignment pads a dimension
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the array the training state holds: the padded shape, or the shape."""
+        return self.padded_shape or self.shape
+
+    @property
+    def padding_bytes_per_device(self) -> int:
+        """Bytes per device that block alignment adds (zero without padding)."""
+        if self.padded_shape is None:
+            return 0
+        return self.bytes_per_device - self.bytes_per_device * math.prod(self.shape) // math.prod(self.padded_shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "shape": list(self.shape),
+            "padded_shape": None if self.padded_shape is None else list(self.padded_shape),
             "dtype": self.dtype,
             "spec": [None if e is None else e if isinstance(e, str) else list(e) for e in self.spec],
             "bytes": self.bytes,
@@ -203,6 +235,11 @@ class Layout:
     @property
     def bytes(self) -> int:
         return sum(leaf.bytes for leaf in self.leaves)
+
+    @property
+    def padded(self) -> bool:
+        """Whether block alignment padded any array (the training step then pads and slices)."""
+        return any(leaf.padded_shape is not None for leaf in self.leaves)
 
 
 # ----------------------------------------------------------------------------------------------------- plan
@@ -295,6 +332,23 @@ class Plan:
             self, replicate=_merge_unique(self.replicate, patterns), notes=_merge_unique(self.notes, (note,))
         )
 
+    def with_block(self, rows: int) -> Plan:
+        """Aligns every FSDP split (fsdp, zero3, hsdp) to whole blocks of ``rows`` (veScale-FSDP; see
+        :class:`ShardLargest`).
+
+        >>> import strategies
+        >>> strategies.fsdp().with_block(128).describe()
+        'batch over fsdp; fsdp(axis=fsdp, min_bytes=4096, block=128); layers rematerialised'
+        """
+        splits = lambda p: isinstance(p, ShardLargest) and "params" in p.applies_to  # noqa: E731
+        parts = tuple(dataclasses.replace(p, block=rows) if splits(p) else p for p in self.parts)
+        if not any(map(splits, self.parts)):
+            raise PlanError(
+                f"block alignment ({rows} rows) applies to parameter splits, and this plan has none "
+                f"({self.describe()}); combine it with fsdp, zero3 or hsdp"
+            )
+        return dataclasses.replace(self, parts=parts)
+
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors."""
         return dataclasses.replace(self, strict=strict)
@@ -308,7 +362,10 @@ class Plan:
         parts: list[str] = []
         for part in self.parts:
             if isinstance(part, ShardLargest):
-                parts.append(f"{part.source}(axis={part.axis}, min_bytes={part.min_bytes})")
+                options = f"axis={part.axis}, min_bytes={part.min_bytes}"
+                options += f", block={part.block}" if part.block > 1 else ""
+                options += f", {len(part.paths)} chosen arrays" if part.paths else ""
+                parts.append(f"{part.source}({options})")
                 if part.applies_to != ROLES:
                     parts[-1] = parts[-1][:-1] + f", {'+'.join(part.applies_to)} only)"
             elif part.source not in parts:
@@ -468,10 +525,10 @@ class Plan:
         entries = [_entry(e, leaf.path) for e in twin.spec]
         owners = list(twin.sources)
         note = twin.note
-        named = dataclasses.replace(leaf, names=twin.names)
+        named = dataclasses.replace(leaf, names=twin.names, keys=tuple(twin.path.split("/")))
         for part in self.parts:
             if isinstance(part, ShardLargest) and role in part.applies_to and "params" not in part.applies_to:
-                note = self._shard_largest(part, named, entries, owners, sizes) or note
+                note = self._shard_largest(part, named, entries, owners, sizes, {}) or note
         return _row(leaf, entries, owners, sizes, note)
 
     def _resolve_leaves(
@@ -531,17 +588,18 @@ class Plan:
         if sizes is not None:
             self._check_axes(leaf, entries, owners, sizes)
         note = self._check_divisible(leaf, entries, owners, sizes)
+        pads: dict[int, int] = {}
         for part in self.parts:
             if isinstance(part, ShardLargest):
                 covered = True
                 if role in part.applies_to:
-                    note = self._shard_largest(part, leaf, entries, owners, sizes) or note
+                    note = self._shard_largest(part, leaf, entries, owners, sizes, pads) or note
         if self.strict and not covered and ndim:
             raise PlanError(
                 f"strict plan: no rule covers {leaf.path} {leaf.shape}; add a rule for it (use spec (None,) * rank "
                 f"to keep it replicated on purpose) or drop strict mode"
             )
-        return _row(leaf, entries, owners, sizes, note)
+        return _row(leaf, entries, owners, sizes, note, pads)
 
     def _check_axes(self, leaf: Leaf, entries: list, owners: list, sizes: dict[str, int]) -> None:
         seen: dict[str, int] = {}
@@ -577,9 +635,17 @@ class Plan:
         return note
 
     def _shard_largest(
-        self, part: ShardLargest, leaf: Leaf, entries: list, owners: list, sizes: dict[str, int] | None
+        self,
+        part: ShardLargest,
+        leaf: Leaf,
+        entries: list,
+        owners: list,
+        sizes: dict[str, int] | None,
+        pads: dict[int, int],
     ) -> str | None:
         if leaf.nbytes < part.min_bytes or not leaf.shape or any(part.axis in e for e in entries):
+            return None
+        if part.paths and leaf.path not in part.paths:
             return None
         if sizes is None:
             raise PlanError(
@@ -589,7 +655,17 @@ class Plan:
         ways = sizes[part.axis]
         names = leaf.names or (None,) * len(leaf.shape)
         free = [d for d in range(len(leaf.shape)) if not entries[d] and names[d] not in part.avoid]
-        fits = [d for d in free if leaf.shape[d] % ways == 0]
+        unit = ways * part.block
+        fits = [d for d in free if leaf.shape[d] % unit == 0]
+        if not fits and part.block > 1 and free and ways > 1:
+            # No dimension holds whole blocks on every device: pad the one that costs the fewest extra bytes.
+            def padded(d: int) -> int:
+                return -(-leaf.shape[d] // unit) * unit
+
+            best = min(free, key=lambda d: (padded(d) * leaf.nbytes // leaf.shape[d], -leaf.shape[d], d))
+            entries[best], owners[best] = (part.axis,), part.source
+            pads[best] = padded(best)
+            return f"padded from {leaf.shape[best]} to {pads[best]} on dimension {best} for {part.block}-row blocks"
         if not fits:
             why = f"not split by {part.source}: no free dimension divisible by {part.axis!r} ({ways})"
             # Already split by another part (e.g. a bias over tensor): not replicated, so a recorded note suffices.
@@ -626,19 +702,29 @@ def _sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     return dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
 
 
-def _bytes(leaf: Leaf, spec: PartitionSpec, sizes: dict[str, int] | None) -> dict[str, int]:
+def _bytes(nbytes: int, spec: PartitionSpec, sizes: dict[str, int] | None) -> dict[str, int]:
     ways = 1
     for e in spec:
-        for a in _entry(e, leaf.path):
+        for a in _entry(e, "spec"):
             ways *= 1 if sizes is None else sizes[a]
     total = 1 if sizes is None else math.prod(sizes.values())
-    return {"bytes": leaf.nbytes, "bytes_per_device": leaf.nbytes // ways, "replicas": total // ways}
+    return {"bytes": nbytes, "bytes_per_device": nbytes // ways, "replicas": total // ways}
 
 
-def _row(leaf: Leaf, entries: Sequence, owners: Sequence, sizes: dict[str, int] | None, note: str | None) -> LeafLayout:
+def _row(
+    leaf: Leaf,
+    entries: Sequence,
+    owners: Sequence,
+    sizes: dict[str, int] | None,
+    note: str | None,
+    pads: Mapping[int, int] | None = None,
+) -> LeafLayout:
     entries = tuple(entries) + ((),) * (len(leaf.shape) - len(entries))
     owners = tuple(owners) + (None,) * (len(leaf.shape) - len(owners))
     spec = _to_spec(entries)
+    padded = tuple(pads.get(d, n) for d, n in enumerate(leaf.shape)) if pads else None
+    stored_bytes = leaf.nbytes if padded is None else leaf.nbytes // math.prod(leaf.shape) * math.prod(padded)
+    counts = _bytes(stored_bytes, spec, sizes)
     return LeafLayout(
         path=leaf.path,
         shape=leaf.shape,
@@ -647,13 +733,16 @@ def _row(leaf: Leaf, entries: Sequence, owners: Sequence, sizes: dict[str, int] 
         names=leaf.names,
         sources=owners,
         note=note,
-        **_bytes(leaf, spec, sizes),
+        padded_shape=padded,
+        bytes=leaf.nbytes,
+        bytes_per_device=counts["bytes_per_device"],
+        replicas=counts["replicas"],
     )
 
 
 def _find_mirror(leaf: Leaf, mirror: dict[tuple[str, ...], LeafLayout]) -> LeafLayout | None:
     for start in range(len(leaf.keys)):
         twin = mirror.get(leaf.keys[start:])
-        if twin is not None and twin.shape == leaf.shape:
+        if twin is not None and twin.stored_shape == leaf.shape:
             return twin
     return None

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -15,8 +16,10 @@ from spmd import costmodel
 from spmd._hlo import Collective, collectives
 from spmd._plan import LeafLayout, Plan
 from spmd._train import TrainStep
-from spmd.costmodel import Traffic
+from spmd.costmodel import StepTime, Traffic
 
+# The temporaries estimate is rough (XLA's buffer assignment decides): flagged beyond this factor either way.
+TEMP_SLACK = 1.5
 # A parameter at least this large left fully replicated on a multi-device mesh earns a warning.
 LARGE_REPLICATED_BYTES = 1 << 20
 
@@ -41,6 +44,9 @@ class Report:
     collectives: tuple[Collective, ...]
     analytic_collectives: tuple[Traffic, ...]
     warnings: tuple[str, ...]
+    analytic_memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops_per_device: float = 0.0
+    modelled_step_time: StepTime | None = None
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
@@ -55,12 +61,16 @@ class Report:
         return {
             "mesh": {"axes": self.mesh_axes, "devices": math.prod(self.mesh_axes.values())},
             "plan": self.plan.describe(),
+            "notes": list(self.plan.notes),
             "params": [row.to_dict() for row in self.params],
             "per_device_bytes": self.per_device_bytes,
             "compiled_memory": self.compiled_memory,
             "collectives": [c.to_dict() for c in self.collectives],
             "analytic_collectives": [t.to_dict() for t in self.analytic_collectives],
             "comm_bytes_per_step": self.comm_bytes_per_step,
+            "analytic_memory": self.analytic_memory,
+            "flops_per_device": self.flops_per_device,
+            "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "warnings": list(self.warnings),
         }
 
@@ -72,21 +82,29 @@ class Report:
             params.add_column(col, justify="right" if col in ("per device", "replicas") else "left")
         for row in self.params[:max_rows]:
             params.add_row(
-                row.path, str(row.shape), row.dtype, _spec(row), _mb(row.bytes_per_device), str(row.replicas)
+                row.path, _shape(row), row.dtype, _spec(row), format_bytes(row.bytes_per_device), str(row.replicas)
             )
         if len(self.params) > max_rows:
             params.add_row(f"... {len(self.params) - max_rows} more", "", "", "", "", "")
         memory = Table(title="Memory per device", title_justify="left")
-        memory.add_column("planned (model state)")
-        memory.add_column("bytes", justify="right")
-        memory.add_column("compiled program")
-        memory.add_column("bytes", justify="right")
-        planned = list(self.per_device_bytes.items())
-        compiled = list(self.compiled_memory.items())
-        for i in range(max(len(planned), len(compiled))):
-            a = planned[i] if i < len(planned) else ("", None)
-            b = compiled[i] if i < len(compiled) else ("", None)
-            memory.add_row(a[0], _mb(a[1]), b[0], _mb(b[1]))
+        for col in ("", "analytic", "compiled"):
+            memory.add_column(col, justify="left" if not col else "right")
+        pd, am, cm = self.per_device_bytes, self.analytic_memory, self.compiled_memory
+        memory.add_row("parameters", format_bytes(pd["params"]), "")
+        memory.add_row("gradients", format_bytes(pd["grads"]), "")
+        memory.add_row("optimizer state", format_bytes(pd["optimizer"]), "")
+        memory.add_row(
+            "arguments (state + batch)", format_bytes(am.get("argument_bytes")), format_bytes(cm.get("argument_bytes"))
+        )
+        if am.get("padding_bytes"):
+            memory.add_row("  of which block padding", format_bytes(am["padding_bytes"]), "")
+        memory.add_row("activations kept for backward", format_bytes(am.get("activation_bytes")), "")
+        memory.add_row(
+            "temporaries (grads, update, activations)",
+            format_bytes(am.get("temp_bytes")),
+            format_bytes(cm.get("temp_bytes")),
+        )
+        memory.add_row("peak", format_bytes(am.get("peak_bytes")), format_bytes(cm.get("peak_bytes")))
         comms = Table(title="Collectives the compiler generated (per step)", title_justify="left")
         for col in ("kind", "mesh axes", "group", "count", "bytes", "traffic/device"):
             comms.add_column(col, justify="left" if col in ("kind", "mesh axes") else "right")
@@ -96,16 +114,21 @@ class Report:
                 ",".join(c.axes) or "-",
                 str(c.group_size),
                 str(c.count),
-                _mb(c.bytes),
-                _mb(c.traffic_bytes),
+                format_bytes(c.bytes),
+                format_bytes(c.traffic_bytes),
             )
         if not self.collectives:
             comms.add_row("none", "", "", "", "", "")
         traffic = self.comm_bytes_per_step
-        comms.caption = (
-            f"traffic per device per step: compiled {_mb(traffic['compiled'])}, analytic {_mb(traffic['analytic'])}"
-        )
+        compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"])
+        comms.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}"
+        if self.modelled_step_time is not None:
+            t = self.modelled_step_time
+            comms.caption += (
+                f"; modelled step on {t.hardware}: compute {_ms(t.compute_s)} + communication {_ms(t.comm_s)}"
+            )
         parts: list[Any] = [params, memory, comms]
+        parts += [f"note: {n}" for n in self.plan.notes]
         parts += [f"[yellow]warning:[/] {w}" for w in self.warnings]
         return Group(*parts)
 
@@ -130,8 +153,16 @@ class Report:
         return console.export_html(inline_styles=True, code_format='<pre style="font-family:monospace">{code}</pre>')
 
 
-def report(step: TrainStep, batch: Any) -> Report:
-    """Compiles ``step`` for ``batch`` (if not done) and joins the plan's layout with the compiled program.
+def report(
+    step: TrainStep,
+    batch: Any,
+    *,
+    workload: costmodel.Workload | None = None,
+    hardware: costmodel.Hardware | None = None,
+) -> Report:
+    """Compiles ``step`` for ``batch`` (if not done) and joins the plan's layout with the compiled program and
+    the cost model's expectation (``workload``: read from the batch's ``[batch, seq]`` array unless given;
+    ``hardware``: detected from the mesh's devices unless given).
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -144,29 +175,66 @@ def report(step: TrainStep, batch: Any) -> Report:
     32
     """
     compiled = step.compiled if step.compiled is not None else step.compile(batch)
-    layout = step.layout
-    inventory = tuple(collectives(compiled.as_text(), step.mesh))
-    analytic = tuple(costmodel.data_parallel_traffic(layout, step.plan, step.mesh.shape))
-    warnings = list(layout.params.unused_rules) + list(layout.params.notes)
+    layout, plan, mesh = step.layout, step.plan, step.mesh
+    workload = workload or costmodel.Workload.from_batch(batch)
+    inventory = tuple(collectives(compiled.as_text(), mesh))
+    analytic = tuple(costmodel.traffic(layout, plan, mesh.shape, workload))
+    state = costmodel.model_state_bytes(layout)
+    batch_ways = math.prod(mesh.shape[a] for a in plan.batch_axes)
+    batch_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // batch_ways
+    analytic_memory = {
+        # The step's arguments: the training state (parameters, optimizer state, the int32 step) and the batch.
+        "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
+        "activation_bytes": int(costmodel.activation_bytes(layout.params.leaves, plan, mesh.shape, workload)),
+        "padding_bytes": costmodel.padding_bytes(layout),
+    }
+    # Temporaries: the gradients, the optimizer's parameter-sized update, and the kept activations.
+    analytic_memory["temp_bytes"] = state["grads"] + state["params"] + analytic_memory["activation_bytes"]
+    analytic_memory["peak_bytes"] = analytic_memory["argument_bytes"] + analytic_memory["temp_bytes"]
+    compiled_memory = memory_of(compiled)
+    # Block padding is asked for and shown in the parameter table; other row notes are warnings.
+    notes = [f"{row.path}: {row.note}" for row in layout.params.leaves if row.note and row.padded_shape is None]
+    warnings = list(layout.params.unused_rules) + notes
     flag = costmodel.compare(sum(c.traffic_bytes for c in inventory), sum(t.traffic_bytes for t in analytic))
     if flag:
         warnings.append(f"collective traffic: {flag}")
-    if step.mesh.size > 1:
+    if "argument_bytes" in compiled_memory:
+        flag = costmodel.compare(compiled_memory["argument_bytes"], analytic_memory["argument_bytes"])
+        if flag:
+            warnings.append(f"argument memory: {flag.split(':')[0]}: a buffer the plan does not lay out")
+        ratio = compiled_memory["temp_bytes"] / max(1, analytic_memory["temp_bytes"])
+        if not 1 / TEMP_SLACK <= ratio <= TEMP_SLACK:
+            warnings.append(
+                f"temporaries: compiled {ratio:.2f}× the estimate; "
+                + (
+                    "XLA keeps more alive than the activations the model counts (without remat, every layer's "
+                    "activations; a replicated intermediate; fusion buffers of a small model)"
+                    if ratio > 1
+                    else "XLA rematerialised or fused away activations the estimate keeps"
+                )
+            )
+    if mesh.size > 1:
         warnings += [
-            f"{row.path} ({_mb(row.bytes)}) is fully replicated on all {row.replicas} devices; "
+            f"{row.path} ({format_bytes(row.bytes)}) is fully replicated on all {row.replicas} devices; "
             f"add a rule or an fsdp part to split it"
             for row in layout.params.leaves
-            if row.replicas == step.mesh.size and row.bytes >= LARGE_REPLICATED_BYTES
+            if row.replicas == mesh.size and row.bytes >= LARGE_REPLICATED_BYTES
         ]
+    device = mesh.devices.flat[0]
+    hw = hardware or costmodel.detect(device.device_kind, device.platform)
+    flops = costmodel.flops_per_device(layout.params.leaves, plan, mesh.shape, workload)
     return Report(
-        mesh_axes=dict(step.mesh.shape),
-        plan=step.plan,
+        mesh_axes=dict(mesh.shape),
+        plan=plan,
         params=layout.params.leaves,
-        per_device_bytes=costmodel.model_state_bytes(layout),
-        compiled_memory=memory_of(compiled),
+        per_device_bytes=state,
+        compiled_memory=compiled_memory,
         collectives=inventory,
         analytic_collectives=analytic,
         warnings=tuple(warnings),
+        analytic_memory=analytic_memory,
+        flops_per_device=flops,
+        modelled_step_time=costmodel.step_time(flops, analytic, hw, mesh.shape),
     )
 
 
@@ -180,11 +248,27 @@ def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
     return out
 
 
+def _shape(row: LeafLayout) -> str:
+    if row.padded_shape is None:
+        return str(row.shape)
+    dims = [str(n) if n == p else f"{n}→{p}" for n, p in zip(row.shape, row.padded_shape, strict=True)]
+    return "(" + ", ".join(dims) + ")"
+
+
 def _spec(row: LeafLayout) -> str:
     return "(" + ", ".join("-" if e is None else e if isinstance(e, str) else "+".join(e) for e in row.spec) + ")"
 
 
-def _mb(n: int | None) -> str:
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} µs"
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes for people: ``B``, ``KiB`` or ``MiB`` (empty for None).
+
+    >>> format_bytes(3 << 20)
+    '3.00 MiB'
+    """
     if n is None:
         return ""
     if n < 1024:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -12,7 +12,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._context import activate
-from spmd._plan import Layout, Plan
+from spmd._plan import Layout, LeafLayout, Plan
 from spmd._tree import unbox
 
 
@@ -27,25 +27,87 @@ class TrainState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """The plan applied to the training state: rows for parameters, gradients and optimizer state, and the
-    shardings of the state and of the gradients (which ZeRO-2 splits while the parameters stay whole)."""
+    shardings of the state and of the gradients (which ZeRO-2 splits while the parameters stay whole); the
+    shardings are None when the layout was resolved for mesh sizes only (:func:`resolve_state`)."""
 
     params: Layout
     grads: Layout
     opt_state: Layout
     moments: Layout  # per parameter, the layout an optimizer moment mirroring it takes (ZeRO-1/2 split these)
-    shardings: TrainState
-    grad_shardings: Any
+    shardings: TrainState | None = None
+    grad_shardings: Any = None
+
+
+def resolve_state(
+    plan: Plan, annotated_params: Any, optimizer: optax.GradientTransformation, mesh: Mesh | Mapping[str, int]
+) -> StateLayout:
+    """Applies ``plan`` to (abstract, possibly annotated) parameters and the optimizer state they imply, on a mesh
+    or on mesh sizes alone (no devices needed: the cost model plans for meshes that are not present).
+
+    >>> import spmd, optax, jax
+    >>> params = {"w": jax.ShapeDtypeStruct((64, 64), "float32")}
+    >>> layout = resolve_state(spmd.Plan(), params, optax.adam(1e-3), {"data": 8})
+    >>> [len(layout.params.leaves), len(layout.opt_state.leaves)]  # Adam: a count and two moments
+    [1, 3]
+    """
+    params = plan.resolve(annotated_params, mesh)
+    grads = plan.resolve(annotated_params, mesh, role="grads")
+    moments = plan.resolve(annotated_params, mesh, role="optimizer")
+    # The optimizer state mirrors the stored (block-padded) parameters.
+    opt_abstract = jax.eval_shape(optimizer.init, stored_abstract(params))
+    opt_state = plan.resolve(opt_abstract, mesh, params=annotated_params)
+    return StateLayout(params, grads, opt_state, moments)
+
+
+def stored_abstract(layout: Layout) -> Any:
+    """ShapeDtypeStructs of the arrays as stored (block-padded shapes), in the layout's tree structure."""
+    return jax.tree.map(
+        lambda row: jax.ShapeDtypeStruct(row.stored_shape, row.dtype),
+        _rows_tree(layout),
+        is_leaf=lambda x: isinstance(x, LeafLayout),
+    )
+
+
+def pad(tree: Any, layout: Layout) -> Any:
+    """Pads each array with zeros up to its stored shape (a no-op for unpadded layouts)."""
+    if not layout.padded:
+        return tree
+    return jax.tree.map(
+        lambda x, row: (
+            x
+            if row.padded_shape is None
+            else jnp.pad(x, [(0, p - n) for n, p in zip(row.shape, row.padded_shape, strict=True)])
+        ),
+        tree,
+        _rows_tree(layout),
+    )
+
+
+def unpad(tree: Any, layout: Layout) -> Any:
+    """Slices each stored array back to its parameter's shape (a no-op for unpadded layouts)."""
+    if not layout.padded:
+        return tree
+    return jax.tree.map(
+        lambda x, row: x if row.padded_shape is None else x[tuple(slice(0, n) for n in row.shape)],
+        tree,
+        _rows_tree(layout),
+    )
 
 
 def shard(tree: Any, plan: Plan, mesh: Mesh) -> Any:
-    """Places the arrays of ``tree`` (flax boxes are unboxed) on ``mesh`` as ``plan`` says.
+    """Places the arrays of ``tree`` (flax boxes are unboxed) on ``mesh`` as ``plan`` says (padded where a
+    block-aligned plan pads).
 
     >>> import spmd, numpy as np
     >>> mesh = spmd.make_mesh({"data": -1})
     >>> spmd.shard({"w": np.ones((2, 3))}, spmd.Plan(), mesh)["w"].sharding.spec
     P(None, None)
     """
-    return jax.device_put(unbox(tree), plan.shardings(tree, mesh))
+    layout = plan.resolve(tree, mesh)
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), layout.specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return jax.device_put(pad(unbox(tree), layout), shardings)
 
 
 class TrainStep:
@@ -84,18 +146,13 @@ class TrainStep:
     # -- layout and init ----------------------------------------------------------------------------------
     def prepare(self, annotated_params: Any) -> StateLayout:
         """Applies the plan to (abstract, possibly annotated) parameters and the optimizer state they imply."""
-        abstract = jax.eval_shape(unbox, annotated_params)
-        params = self.plan.resolve(annotated_params, self.mesh)
-        grads = self.plan.resolve(annotated_params, self.mesh, role="grads")
-        moments = self.plan.resolve(annotated_params, self.mesh, role="optimizer")
-        opt_abstract = jax.eval_shape(self.optimizer.init, abstract)
-        opt_state = self.plan.resolve(opt_abstract, self.mesh, params=annotated_params)
+        layout = resolve_state(self.plan, annotated_params, self.optimizer, self.mesh)
         named = lambda specs: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        state = TrainState(replicated, named(params.specs), named(opt_state.specs))
-        self.layout = StateLayout(params, grads, opt_state, moments, state, named(grads.specs))
+        state = TrainState(replicated, named(layout.params.specs), named(layout.opt_state.specs))
+        self.layout = dataclasses.replace(layout, shardings=state, grad_shardings=named(layout.grads.specs))
         self.compiled = None
         return self.layout
 
@@ -104,7 +161,7 @@ class TrainStep:
         self.prepare(jax.eval_shape(init_fn, rng))
 
         def create(rng: jax.Array) -> TrainState:
-            params = unbox(init_fn(rng))
+            params = pad(unbox(init_fn(rng)), self.layout.params)
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
         return jax.jit(create, out_shardings=self.layout.shardings)
@@ -117,14 +174,22 @@ class TrainStep:
 
     # -- the step -----------------------------------------------------------------------------------------
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
+        # Block-aligned layouts store padded arrays: the model sees them sliced, so their gradients come back
+        # padded with zeros and the padding never changes.
+        loss_of_stored = lambda params: self.loss_fn(unpad(params, self.layout.params), batch)  # noqa: E731
         with activate(self.plan, self.mesh):
-            loss, grads = jax.value_and_grad(self.loss_fn)(state.params, batch)
+            loss, grads = jax.value_and_grad(loss_of_stored)(state.params)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
         grads = jax.lax.with_sharding_constraint(grads, self.layout.grad_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state), loss
+
+    def params_of(self, state: TrainState) -> Any:
+        """The model's parameters from a training state: block-aligned padding sliced off."""
+        self._need_layout()
+        return unpad(state.params, self.layout.params)
 
     def batch_shardings(self, batch: Any) -> Any:
         return self.plan.batch_shardings(batch, self.mesh)
@@ -133,7 +198,7 @@ class TrainStep:
         """The training state as ShapeDtypeStructs carrying their shardings (for lowering without arrays)."""
         self._need_layout()
         rows = lambda layout, sh: jax.tree.map(  # noqa: E731
-            lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+            lambda leaf, s: jax.ShapeDtypeStruct(leaf.stored_shape, leaf.dtype, sharding=s),
             _rows_tree(layout),
             sh,
             is_leaf=lambda x: hasattr(x, "bytes_per_device"),

@@ -12,6 +12,8 @@ import sys
 from typing import Any, NoReturn
 
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
+HARDWARE_KINDS = ("tpu-v5e", "tpu-v5p", "h100", "h200", "a100", "cpu")  # spmd.costmodel.HARDWARE's keys
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
 class UsageError(Exception):
@@ -39,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--mesh", default="data=-1", help="axis=size pairs, e.g. data=2,fsdp=2,tensor=2")
         p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
         p.add_argument("--layers", type=int, help="override the model's number of layers")
+        p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
+        p.add_argument(
+            "--device-kind", help=f"cost model device: {', '.join(HARDWARE_KINDS)} (default: the devices present)"
+        )
+        p.add_argument(
+            "--axis-bandwidth", help="per-axis link bandwidth in GB/s per device, e.g. tensor=450,tensor2=50"
+        )
+        p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
 
     plan = sub.add_parser("plan", help="show how a plan lays out a model, and what the compiler makes of it")
     common(plan)
@@ -51,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--strategies", default="dp,zero1,zero2,zero3", help="comma-separated --strategy values")
     compare.add_argument("--timed-steps", type=int, default=3, help="steps timed per strategy (median reported)")
     compare.add_argument("--plot", help="write a bar chart of memory and traffic to this PNG file")
+    suggest = sub.add_parser("suggest", help="rank meshes and strategies by the cost model; confirm by compiling")
+    common(suggest)
+    suggest.add_argument("--confirm", type=int, default=3, help="compile this many of the best plans that fit")
+    suggest.add_argument("--max-tensor", type=int, default=8, help="largest tensor-parallel axis to try")
+    suggest.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     demo = sub.add_parser("demo", help="the main job: gpt-tiny on data=2 × fsdp=2 × tensor=2, checked")
     common(demo, demo=True)
     demo.add_argument("--steps", type=int, default=DEMO["steps"])
@@ -63,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         _check_args(args)
         _start_devices(args.devices)
-        return {"plan": _plan, "run": _run, "compare": _compare, "demo": _demo}[args.command](args)
+        if args.command in ("compare", "suggest"):
+            from spmd import _cli_compare
+
+            return getattr(_cli_compare, args.command)(args)
+        return {"plan": _plan, "run": _run, "demo": _demo}[args.command](args)
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not _is_user_error(e):
             raise
@@ -79,12 +98,47 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "devices", "layers", "timed_steps"):
+    for name in ("steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if getattr(args, "memory_per_device", None) is not None:
+        args.memory_per_device = parse_bytes(args.memory_per_device, "--memory-per-device")
+    elif args.command == "suggest":
+        raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
+    if getattr(args, "axis_bandwidth", None) is not None:
+        args.axis_bandwidth = _parse_bandwidth(args.axis_bandwidth)
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """A size like ``16GiB``, ``512MB`` or ``1048576``.
+
+    >>> parse_bytes("16GiB", "--memory-per-device"), parse_bytes("1.5MB", "--memory-per-device")
+    (17179869184, 1500000)
+    """
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"{flag} {text!r}: give a positive size like 16GiB, 512MiB or 4GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _parse_bandwidth(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        axis, _, value = item.partition("=")
+        try:
+            gbps = float(value)
+        except ValueError:
+            gbps = -1.0
+        if not axis.strip() or gbps <= 0:
+            raise UsageError(f"--axis-bandwidth {text!r}: give axis=GB/s pairs, e.g. tensor=450,tensor2=50")
+        out[axis.strip()] = gbps * 1e9
+    return out
 
 
 def _start_devices(devices: int | None) -> None:
@@ -102,30 +156,76 @@ def _start_devices(devices: int | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- pieces
-def _setup(model_name: str, mesh_text: str, strategy: str, layers: int | None) -> tuple[Any, Any, Any]:
+def _setup(
+    args: argparse.Namespace,
+    *,
+    model_name: str | None = None,
+    mesh_text: str | None = None,
+    strategy: str | None = None,
+) -> tuple:
+    """(model, mesh, plan) from the command line; strategies the cost model chooses get their context here."""
+    import jax
+
     import spmd
     import strategies
     from spmd import models
 
-    axes = spmd.parse_mesh(mesh_text)
+    axes = spmd.parse_mesh(mesh_text or args.mesh)
     mesh = spmd.make_mesh(axes)
-    plan = strategies.from_names(strategy, dict(mesh.shape))
-    overrides = {"layers": layers} if layers else {}
-    if plan.remat and model_name in models.BUILTIN:  # user factories need not know the option
-        overrides["remat"] = True
+    strategy = strategy or args.strategy
+    names = set(strategy.split("+"))
+    overrides = {"layers": args.layers} if getattr(args, "layers", None) else {}
+    model_name = model_name or args.model
     model = models.get(model_name, **overrides)
+    context = None
+    if names & set(strategies.CHOSEN):
+        params = jax.eval_shape(model.init, jax.random.key(args.seed))
+        context = strategies.Context(
+            params, _workload(model, args), _hardware(args), _optimizer(args), getattr(args, "memory_per_device", None)
+        )
+    plan = strategies.from_names(strategy, dict(mesh.shape), context=context)
+    if getattr(args, "block", None):
+        plan = plan.with_block(args.block)
+    if plan.remat and model_name in models.BUILTIN:  # user factories need not know the option
+        model = models.get(model_name, **overrides, remat=True)
     return model, mesh, plan
 
 
-def _trainer(model: Any, plan: Any, mesh: Any, args: argparse.Namespace) -> Any:
-    import optax
+def _workload(model: Any, args: argparse.Namespace) -> Any:
+    from spmd import costmodel
 
-    import spmd
-    from spmd import models
+    return costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len)
+
+
+def _hardware(args: argparse.Namespace) -> Any:
+    """The cost model's device: --device-kind, else the kind of the devices present; --axis-bandwidth on top."""
+    import jax
+
+    from spmd import costmodel
+
+    kind = getattr(args, "device_kind", None)
+    if kind:
+        hw = costmodel.hardware(kind)
+    else:
+        device = jax.devices()[0]
+        hw = costmodel.detect(device.device_kind, device.platform)
+    bandwidth = getattr(args, "axis_bandwidth", None)
+    return hw.with_axis_bandwidth(bandwidth) if bandwidth else hw
+
+
+def _optimizer(args: argparse.Namespace) -> Any:
+    import optax
 
     # eps=1e-6 rather than 1e-8: with 1e-8, Adam turns reduction-order noise in near-zero gradients into
     # parameter differences near 1e-4 after 20 steps, and --check could no longer tell noise from a bug.
-    return spmd.train_step(models.loss_fn(model), optax.adam(args.lr, eps=1e-6), plan, mesh)
+    return optax.adam(args.lr, eps=1e-6)
+
+
+def _trainer(model: Any, plan: Any, mesh: Any, args: argparse.Namespace) -> Any:
+    import spmd
+    from spmd import models
+
+    return spmd.train_step(models.loss_fn(model), _optimizer(args), plan, mesh)
 
 
 def _batch(model: Any, seed: int, step: int, batch_size: int) -> dict[str, Any]:
@@ -157,7 +257,7 @@ def _train(
             state, loss = step(state, _batch(model, args.seed, i, args.batch_size))
             losses.append(float(loss))
             bar.update(task, advance=1, description=f"{label} loss {losses[-1]:.3f}")
-    return losses, jax.tree.map(np.asarray, state.params), step
+    return losses, jax.tree.map(np.asarray, step.params_of(state)), step
 
 
 def _reference(model: Any, args: argparse.Namespace, quiet: bool) -> tuple:
@@ -197,11 +297,11 @@ def _plan(args: argparse.Namespace) -> int:
 
     import spmd
 
-    model, mesh, plan = _setup(args.model, args.mesh, args.strategy, args.layers)
+    model, mesh, plan = _setup(args)
     step = _trainer(model, plan, mesh, args)
     step.prepare(jax.eval_shape(model.init, jax.random.key(args.seed)))
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
-    rep = spmd.report(step, batch)
+    rep = spmd.report(step, batch, hardware=_hardware(args))
     if args.json:
         print(json.dumps({"model": model.name, **rep.to_dict()}))
     else:
@@ -210,7 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    model, mesh, plan = _setup(args.model, args.mesh, args.strategy, args.layers)
+    model, mesh, plan = _setup(args)
     losses, params, _ = _train(model, plan, mesh, args, label=args.strategy, quiet=args.json)
     out: dict[str, Any] = {
         "model": model.name,
@@ -233,109 +333,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(args: argparse.Namespace) -> int:
-    import statistics
-    import time
-
-    import jax
-
-    import spmd
-
-    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
-    if not names:
-        raise UsageError("--strategies is empty; give names like dp,zero1,zero2,zero3")
-    setups = [(name, *_setup(args.model, args.mesh, name, args.layers)) for name in names]  # all errors first
-    rows = []
-    for name, model, mesh, plan in setups:
-        step = _trainer(model, plan, mesh, args)
-        state = step.init(model.init, jax.random.key(args.seed))
-        rep = spmd.report(step, _batch(model, args.seed, 0, args.batch_size))
-        times = []
-        for i in range(args.timed_steps):
-            batch = _batch(model, args.seed, i, args.batch_size)
-            start = time.perf_counter()
-            state, loss = step(state, batch)
-            loss.block_until_ready()
-            times.append(time.perf_counter() - start)
-        d = rep.to_dict()
-        row = {"strategy": name, "plan": d["plan"], "per_device_bytes": d["per_device_bytes"]}
-        row |= {k: d[k] for k in ("compiled_memory", "collectives", "comm_bytes_per_step", "warnings")}
-        row["step_time_s"] = statistics.median(times)
-        rows.append(row)
-        del state
-    if args.plot:
-        _plot_compare(rows, args.plot)
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    _console().print(_compare_table(rows, model.name, mesh))
-    return 0
-
-
-def _compare_table(rows: list[dict], model: str, mesh: Any) -> Any:
-    from rich.table import Table
-
-    from spmd._report import _mb
-
-    shown = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    table = Table(title=f"{model} on {shown}: per device, per step", title_justify="left")
-    for col in ("strategy", "model state", "compiled args+temp", "traffic compiled", "traffic analytic", "step"):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in rows:
-        mem = r["compiled_memory"]
-        table.add_row(
-            r["strategy"],
-            _mb(r["per_device_bytes"]["total"]),
-            _mb(mem.get("argument_bytes", 0) + mem.get("temp_bytes", 0)),
-            _mb(r["comm_bytes_per_step"]["compiled"]),
-            _mb(r["comm_bytes_per_step"]["analytic"]),
-            f"{r['step_time_s'] * 1e3:.0f} ms",
-        )
-    return table
-
-
-def _plot_compare(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    names = [r["strategy"] for r in rows]
-    x = np.arange(len(rows))
-    fig, (mem, comm) = plt.subplots(1, 2, figsize=(10, 3.6))
-    mib = 1 / (1 << 20)
-    state = [r["per_device_bytes"]["total"] * mib for r in rows]
-    peak = [
-        (r["compiled_memory"].get("argument_bytes", 0) + r["compiled_memory"].get("temp_bytes", 0)) * mib for r in rows
-    ]
-    mem.bar(x - 0.2, state, 0.4, label="model state (planned)")
-    mem.bar(x + 0.2, peak, 0.4, label="arguments + temporaries (compiled)")
-    mem.set(title="memory per device", ylabel="MiB", xticks=x, xticklabels=names)
-    mem.legend(fontsize=8)
-    comm.bar(x - 0.2, [r["comm_bytes_per_step"]["compiled"] * mib for r in rows], 0.4, label="compiled")
-    comm.bar(x + 0.2, [r["comm_bytes_per_step"]["analytic"] * mib for r in rows], 0.4, label="analytic")
-    comm.set(title="collective traffic per device per step", ylabel="MiB", xticks=x, xticklabels=names)
-    comm.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _demo(args: argparse.Namespace) -> int:
     import jax
 
     import spmd
     from spmd import data
 
-    model, mesh, plan = _setup(DEMO["model"], DEMO["mesh"], DEMO["strategy"], None)
+    model, mesh, plan = _setup(args, model_name=DEMO["model"], mesh_text=DEMO["mesh"], strategy=DEMO["strategy"])
     console = _console()
     platform = jax.devices()[0].platform
     console.rule(f"spmd demo: {model.name} on {mesh.size} {platform} devices, strategy {DEMO['strategy']}")
     reports = []
 
     def show(step: Any) -> None:
-        reports.append(spmd.report(step, _batch(model, args.seed, 0, args.batch_size)))
+        reports.append(spmd.report(step, _batch(model, args.seed, 0, args.batch_size), hardware=_hardware(args)))
         if not args.json:
             console.print(reports[0])
 
@@ -355,7 +366,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _summary(rep: Any, losses: list[float], diff: float, best: float) -> Any:
     from rich.table import Table
 
-    from spmd._report import _mb
+    from spmd import format_bytes as mb
 
     table = Table(show_header=False, box=None, padding=(0, 1))
     groups: dict[str, list[int]] = {}
@@ -372,9 +383,9 @@ def _summary(rep: Any, losses: list[float], diff: float, best: float) -> Any:
     cm = rep.compiled_memory
     table.add_row(
         "[bold]memory/device",
-        f"model state {_mb(pd['total'])} (params {_mb(pd['params'])}, grads {_mb(pd['grads'])}, "
-        f"optimizer {_mb(pd['optimizer'])}); compiled: arguments {_mb(cm.get('argument_bytes'))}, "
-        f"temporaries {_mb(cm.get('temp_bytes'))}",
+        f"model state {mb(pd['total'])} (params {mb(pd['params'])}, grads {mb(pd['grads'])}, "
+        f"optimizer {mb(pd['optimizer'])}); compiled: arguments {mb(cm.get('argument_bytes'))}, "
+        f"temporaries {mb(cm.get('temp_bytes'))}",
     )
     comms = ", ".join(f"{c.count}× {c.kind} over {'+'.join(c.axes) or '-'}" for c in rep.collectives) or "none"
     table.add_row("[bold]collectives", comms)

@@ -1,23 +1,91 @@
-"""The analytic cost model: what a plan's layouts imply, per device, before anything is compiled.
+"""The analytic cost model: what a plan's layouts imply, per device and per step, before anything is compiled.
 
-Pure functions of the training state's layout (abstract shapes and dtypes, the plan's specs) and the mesh sizes.
-Collective traffic uses ring formulas per device: all-reduce 2(N−1)/N·S, all-gather and reduce-scatter
-(N−1)/N·S of the full buffer S. Covered: the data-parallel family (DP, ZeRO-1/2/3, FSDP, HSDP) — gradient
-reductions, FSDP's parameter gathers (twice with layer rematerialisation: forward and backward) and ZeRO-1/2's
-all-gather of updated parameter shards. Activation collectives of tensor parallelism are not modelled yet.
+Pure functions of the training state's layout (abstract shapes, dtypes and the plan's specs), the mesh sizes,
+the :class:`Workload` (tokens per step) and, for times, a :class:`Hardware` description.
+
+Collective traffic uses ring formulas per device: all-reduce 2(N−1)/N·S, all-gather, reduce-scatter and
+all-to-all (N−1)/N·S of the full buffer S.
+
+- The data-parallel family (DP, ZeRO-1/2/3, FSDP, HSDP): gradient reductions, FSDP's parameter gathers (twice with
+  layer rematerialisation: forward and backward) and ZeRO-1/2's all-gathers of updated parameter shards.
+- Activations, read off every weight that acts as a matmul (:func:`matmuls`): a split of its input (contraction)
+  dimension over model axes all-reduces its output in the forward pass; a split of its output dimension
+  all-reduces its input gradient in the backward pass. That is Megatron's column/row pair (one all-reduce per
+  block each way), ATP's 2-D tensor parallelism, and sequence parallelism, where each such all-reduce becomes a
+  reduce-scatter and an all-gather and the weights the sequence shards share reduce their gradients over it.
+  Experts split over an axis send their tokens there and back by all-to-all.
+- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more with remat, plus attention's
+  score and value products; split over the devices that share the work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from spmd._plan import LeafLayout, Plan, ShardLargest
+from spmd._hardware import HARDWARE, Hardware, detect, hardware
+from spmd._plan import LeafLayout, LogicalRules, Plan, ShardLargest, assign_by_rules
+
+__all__ = [
+    "HARDWARE",
+    "TOLERANCE",
+    "Hardware",
+    "Estimate",
+    "Matmul",
+    "StepTime",
+    "Traffic",
+    "Workload",
+    "activation_bytes",
+    "activation_traffic",
+    "compare",
+    "data_parallel_traffic",
+    "detect",
+    "estimate",
+    "flops_per_device",
+    "hardware",
+    "matmuls",
+    "model_state_bytes",
+    "padding_bytes",
+    "step_time",
+    "traffic",
+]
 
 # A compiled figure more than this far from the analytic one is flagged in the report.
 TOLERANCE = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one training step processes, beyond the parameters: ``batch`` sequences of ``seq_len`` tokens.
+
+    ``top_k`` and ``capacity_factor`` describe mixture-of-experts routing (the built-in ``moe-tiny``'s values);
+    ``act_bytes`` is the width of an activation element.
+
+    >>> Workload.from_batch({"tokens": np.zeros((32, 128), np.int32)}).tokens
+    4096
+    """
+
+    batch: int
+    seq_len: int
+    act_bytes: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @classmethod
+    def from_batch(cls, batch: Any, **options: Any) -> Workload:
+        """Reads ``[batch, seq]`` from the batch's first rank-2 array (arrays or ShapeDtypeStructs)."""
+        leaves = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Iterable) else [batch]
+        for x in leaves:
+            shape = tuple(getattr(x, "shape", ()))
+            if len(shape) == 2:
+                return cls(batch=int(shape[0]), seq_len=int(shape[1]), **options)
+        raise ValueError("costmodel.Workload.from_batch: no [batch, seq] array in the batch; build a Workload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,14 +96,41 @@ class Traffic:
     axes: tuple[str, ...]
     bytes: float  # full buffers, summed
     traffic_bytes: float  # ring traffic per device
+    count: int = 1  # collectives per step (those XLA combines counted once)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "axes": list(self.axes),
+            "count": self.count,
             "bytes": int(self.bytes),
             "traffic_bytes": int(self.traffic_bytes),
         }
+
+
+class _Totals:
+    """Accumulates buffers per (kind, axes) with their ring traffic; collectives on one device are free."""
+
+    def __init__(self, sizes: Mapping[str, int]) -> None:
+        self.sizes = dict(sizes)
+        self.acc: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+
+    def add(self, kind: str, axes: Iterable[str], buffer: float, count: int = 1, *, combined: bool = False) -> None:
+        axes = set(axes)
+        n = math.prod(self.sizes[a] for a in axes)
+        if n <= 1 or buffer <= 0:
+            return
+        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        key = (kind, tuple(a for a in self.sizes if a in axes))
+        acc = self.acc.setdefault(key, [0.0, 0.0, 0])
+        acc[0] += buffer
+        acc[1] += factor * buffer
+        # XLA combines independent gradient reductions into one op; per-layer collectives stay separate.
+        acc[2] = max(acc[2], count) if combined else acc[2] + count
+
+    def result(self) -> list[Traffic]:
+        out = [Traffic(kind, axes, b, t, int(c)) for (kind, axes), (b, t, c) in self.acc.items()]
+        return sorted(out, key=lambda t: -t.traffic_bytes)
 
 
 def model_state_bytes(layout: Any) -> dict[str, int]:
@@ -48,6 +143,20 @@ def model_state_bytes(layout: Any) -> dict[str, int]:
 
 def _axes(row: LeafLayout) -> set[str]:
     return {a for e in row.spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _dim_axes(row: LeafLayout, dims: Iterable[int]) -> set[str]:
+    out: set[str] = set()
+    for d in dims:
+        e = row.spec[d] if d < len(row.spec) else None
+        if e:
+            out.update((e,) if isinstance(e, str) else e)
+    return out
+
+
+def _stacked(row: LeafLayout) -> int:
+    """How many layers a scanned parameter stacks (its leading ``layers`` dimension), else 1."""
+    return row.shape[0] if row.names and row.names[0] == "layers" else 1
 
 
 def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]) -> list[Traffic]:
@@ -75,17 +184,7 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
     # Only splits made by an FSDP part are gathered before use; a dimension split by a rule (e.g. experts over
     # the expert axis) is computed where it lives.
     gathered_by = {part.source for part in plan.parts if isinstance(part, ShardLargest)}
-    totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
-
-    def add(kind: str, axes: set[str], buffer: float) -> None:
-        n = math.prod(sizes[a] for a in axes)
-        if n <= 1:
-            return
-        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-        key = (kind, tuple(a for a in sizes if a in axes))
-        acc = totals.setdefault(key, [0.0, 0.0])
-        acc[0] += buffer
-        acc[1] += factor * buffer
+    totals = _Totals(sizes)
 
     for p, g, m in zip(layout.params.leaves, layout.grads.leaves, layout.moments.leaves, strict=True):
         local = p.bytes_per_device
@@ -100,22 +199,381 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
         zero2 = (g_axes - p_axes) & batch
         zero1 = ((_axes(m) - p_axes) & batch) - zero2
         rest = batch - p_axes - zero2
+        layers = _stacked(p)
         if fsdp:
             # Rematerialised layers use their weights again in the backward pass, so FSDP gathers them twice; an
             # embedding table is gathered once, since the gradient of a lookup does not need the table.
-            for _ in range(2 if plan.remat and not p.path.endswith("embedding") else 1):
-                add("all-gather", fsdp, local * n_fsdp)
+            times = 2 if plan.remat and not p.path.endswith("embedding") else 1
+            totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
         grad_buffer = local * n_fsdp
         if fsdp or zero2:
-            add("reduce-scatter", fsdp | zero2, grad_buffer)
+            totals.add("reduce-scatter", fsdp | zero2, grad_buffer, layers if fsdp else 1, combined=True)
         n_zero2 = math.prod(sizes[a] for a in zero2)
-        add("all-reduce", rest, grad_buffer / (n_fsdp * n_zero2))
+        totals.add("all-reduce", rest, grad_buffer / (n_fsdp * n_zero2), combined=True)
         if zero2:
-            add("all-gather", zero2, local)
+            totals.add("all-gather", zero2, local, combined=True)
         if zero1:
-            add("all-gather", zero1, local)
-    return [Traffic(kind, axes, b, t) for (kind, axes), (b, t) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
+            totals.add("all-gather", zero1, local, combined=True)
+    return totals.result()
+
+
+# ------------------------------------------------------------------------------------------------- matmuls
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """A weight read as a matmul: which of its dimensions are contracted with the input, which are the output.
+
+    ``tokens`` is how many rows it multiplies per device per layer; ``experts`` the size of a leading expert
+    dimension (a batch of independent matmuls), else 0.
+    """
+
+    row: LeafLayout
+    layers: int
+    in_dims: tuple[int, ...]
+    out_dims: tuple[int, ...]
+    experts: int = 0
+    lookup: bool = False  # an embedding table: a gather, with no input gradient
+
+    def local(self, dims: tuple[int, ...], model_axes: set[str], sizes: Mapping[str, int]) -> int:
+        """Elements of ``dims`` one device holds when only the model axes (not the batch axes) split them."""
+        full = math.prod(self.row.shape[d] for d in dims)
+        return full // math.prod(sizes[a] for a in _dim_axes(self.row, dims) & model_axes)
+
+    @property
+    def parent(self) -> str:
+        return self.row.path.rsplit("/", 2)[0] if self.row.path.endswith("/kernel") else self.row.path
+
+
+def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
+    """The parameters that act as matmul weights, with their input and output dimensions.
+
+    Annotated weights (flax logical names) touch the residual stream ``embed`` on one side: ``embed`` first
+    (``(embed, heads, head_dim)``, ``(embed, mlp)``, ``(embed, vocab)``) reads it, ``embed`` last writes it;
+    a leading ``layers`` dimension stacks layers and an ``expert`` dimension batches experts. Unannotated 2-D
+    kernels are ``[in, out]``. Vectors (biases, norm scales) and shapes that fit neither are not matmuls.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> wi = nn.LogicallyPartitioned(np.zeros((2, 8, 32), np.float32), ("layers", "embed", "mlp"))
+    >>> m, = matmuls(spmd.Plan().resolve({"wi": {"kernel": wi}}).leaves)
+    >>> m.layers, m.in_dims, m.out_dims
+    (2, (1,), (2,))
+    """
+    out = []
+    for row in rows:
+        names = list(row.names) if row.names else [None] * len(row.shape)
+        dims = list(range(len(row.shape)))
+        layers = 1
+        if names and names[0] == "layers":
+            layers, dims = row.shape[0], dims[1:]
+        experts = 0
+        if dims and names[dims[0]] == "expert":
+            experts, dims = row.shape[dims[0]], dims[1:]
+        if len(dims) < 2:
+            continue
+        lookup = row.path.endswith("embedding")
+        if row.names is None:
+            if len(dims) != 2:
+                continue
+            in_dims, out_dims = (dims[0],), (dims[1],)
+        elif names[dims[0]] == "embed":
+            in_dims, out_dims = (dims[0],), tuple(dims[1:])
+        elif names[dims[-1]] == "embed":
+            in_dims, out_dims = tuple(dims[:-1]), (dims[-1],)
+        else:
+            continue
+        out.append(Matmul(row, layers, in_dims, out_dims, experts, lookup))
+    return out
+
+
+def _seq_axes(plan: Plan, mesh_shape: Mapping[str, int]) -> set[str]:
+    """Mesh axes a sequence-parallel plan splits the residual stream's sequence over."""
+    rules = [r for part in plan.parts if isinstance(part, LogicalRules) for r in part.rules]
+    entries = assign_by_rules(("batch", "seq", "embed"), [("batch", plan.batch_axes)] + rules)
+    return {a for a in entries[1] if mesh_shape.get(a, 1) > 1}
+
+
+def _tokens_per_device(plan: Plan, mesh_shape: Mapping[str, int], workload: Workload) -> float:
+    ways = math.prod(mesh_shape[a] for a in plan.batch_axes if a in mesh_shape)
+    return workload.tokens / ways
+
+
+def _capacity(workload: Workload, experts: int) -> int:
+    return max(1, math.ceil(workload.capacity_factor * workload.top_k * workload.seq_len / experts))
+
+
+def _rows_of(m: Matmul, plan: Plan, sizes: Mapping[str, int], workload: Workload) -> float:
+    """Rows a matmul multiplies per device per layer: the local tokens, or for experts their dispatched slots."""
+    tokens = _tokens_per_device(plan, sizes, workload)
+    if not m.experts:
+        return tokens
+    return tokens / workload.seq_len * m.experts * _capacity(workload, m.experts)
+
+
+def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], workload: Workload) -> list[Traffic]:
+    """Collective traffic per step of the activations: tensor, sequence, 2-D tensor and expert parallelism.
+
+    For every matmul (see :func:`matmuls`), with T its rows per device, over the model axes (those that are not
+    batch axes): a split of its input dimensions over axes C all-reduces the output (T × local output) over C
+    in the forward pass (again in the backward pass with ``plan.remat``); a split of its output dimensions over
+    axes O all-reduces the input gradient (T × local input) over O in the backward pass (not for embedding
+    lookups). Under sequence parallelism each all-reduce over the sequence axes is a reduce-scatter plus an
+    all-gather of the same buffer, and the parameters not split over those axes all-reduce their gradients over
+    them. Expert weights split over an axis move T × embed per MoE layer there and back by all-to-all, in the
+    forward and the backward pass.
+    """
+    sizes = dict(mesh_shape)
+    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    seq = _seq_axes(plan, sizes)
+    totals = _Totals(sizes)
+    forward_passes = 2 if plan.remat else 1
+
+    def all_reduce(axes: set[str], buffer: float, count: int) -> None:
+        if seq and axes == seq:
+            totals.add("reduce-scatter", axes, buffer, count)
+            totals.add("all-gather", axes, buffer, count)
+        else:
+            totals.add("all-reduce", axes, buffer, count)
+
+    for m in matmuls(layout.params.leaves):
+        rows = _rows_of(m, plan, sizes, workload)
+        contraction = _dim_axes(m.row, m.in_dims) & model_axes
+        output = _dim_axes(m.row, m.out_dims) & model_axes
+        if contraction:
+            buffer = rows * m.local(m.out_dims, model_axes, sizes) * workload.act_bytes
+            all_reduce(contraction, forward_passes * m.layers * buffer, forward_passes * m.layers)
+        if output and not m.lookup:
+            buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
+            all_reduce(output, m.layers * buffer, m.layers)
+        expert_axes = _dim_axes(m.row, (m.row.names.index("expert"),)) if m.experts else set()
+        if expert_axes and m.row.names[m.in_dims[0]] == "embed":  # once per MoE layer: at its first weight
+            buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
+            passes = 2 * forward_passes + 2  # dispatch and return, forward (twice with remat) and backward
+            totals.add("all-to-all", expert_axes, passes * m.layers * buffer, passes * m.layers)
+    if seq:
+        for row in layout.grads.leaves:
+            if not _axes(row) & seq:
+                totals.add("all-reduce", seq, row.bytes_per_device, combined=True)
+    return totals.result()
+
+
+def traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], workload: Workload | None) -> list[Traffic]:
+    """All the traffic the model expects per step: :func:`data_parallel_traffic` plus, given a workload,
+    :func:`activation_traffic`; one entry per (kind, axes), largest first."""
+    parts = data_parallel_traffic(layout, plan, mesh_shape)
+    if workload is not None:
+        parts += activation_traffic(layout, plan, mesh_shape, workload)
+    merged: dict[tuple[str, tuple[str, ...]], Traffic] = {}
+    for t in parts:
+        old = merged.get((t.kind, t.axes))
+        if old is not None:
+            t = Traffic(t.kind, t.axes, old.bytes + t.bytes, old.traffic_bytes + t.traffic_bytes, old.count + t.count)
+        merged[(t.kind, t.axes)] = t
+    return sorted(merged.values(), key=lambda t: -t.traffic_bytes)
+
+
+# ------------------------------------------------------------------------------------------------- compute, memory
+def _attention_parents(ms: list[Matmul]) -> dict[str, Matmul]:
+    """One projection per attention module: the first weight whose output is ``(heads, head_dim)``."""
+    found: dict[str, Matmul] = {}
+    for m in ms:
+        out_names = tuple(m.row.names[d] for d in m.out_dims) if m.row.names else ()
+        if out_names == ("heads", "head_dim"):
+            found.setdefault(m.parent, m)
+    return found
+
+
+def flops_per_device(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> float:
+    """FLOPs one device computes per training step: matmuls (forward 2·T·in·out, backward twice that, the
+    forward again under remat) and attention's two ``seq × seq`` products per head. Embedding lookups are free.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> params = {"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))}}
+    >>> plan = spmd.Plan(batch_axes=("data",))
+    >>> rows = plan.resolve(params, {"data": 2}).leaves
+    >>> flops_per_device(rows, plan, {"data": 2}, Workload(batch=4, seq_len=16))  # 6 · 32 tokens · 8 · 32
+    49152.0
+    """
+    sizes = dict(mesh_shape)
+    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    passes = 4 if plan.remat else 3  # forward, input gradient, weight gradient (+ recomputed forward)
+    ms = matmuls(params)
+    total = 0.0
+    for m in ms:
+        if m.lookup:
+            continue
+        rows = _rows_of(m, plan, sizes, workload)
+        ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.in_dims + m.out_dims) & model_axes)
+        full = math.prod(m.row.shape[d] for d in m.in_dims + m.out_dims)
+        total += passes * 2 * rows * full * m.layers / ways
+    tokens = _tokens_per_device(plan, sizes, workload)
+    for m in _attention_parents(ms).values():
+        width = m.local(m.out_dims, model_axes, sizes)
+        total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
+    return total
+
+
+def activation_bytes(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> float:
+    """An estimate of the activations one device keeps for the backward pass, per microbatch (the device's
+    share of the batch).
+
+    Per layer, every matmul's input (inputs shared by sibling projections, like ``query``/``key``/``value``,
+    counted once) and output, plus attention's probabilities; the logits three times (with their softmax and
+    its gradient). Under ``plan.remat`` only each layer's input is
+    kept (the residual, split like it) and one layer's activations are live again while it is recomputed.
+    """
+    sizes = dict(mesh_shape)
+    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    ms = matmuls(params)
+    seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes))
+    tokens = _tokens_per_device(plan, sizes, workload)
+    per_layer: dict[int, float] = {}  # stacked layer count -> elements per layer
+    residual: dict[int, float] = {}
+    inputs_seen: set[tuple[str, tuple]] = set()
+    for m in ms:
+        if m.lookup:
+            continue
+        rows = _rows_of(m, plan, sizes, workload)
+        names = tuple(m.row.names[d] for d in m.in_dims) if m.row.names else m.in_dims
+        elements = rows * m.local(m.out_dims, model_axes, sizes)
+        if m.row.names and "vocab" in (m.row.names[d] for d in m.out_dims):
+            elements *= 3  # the logits, their softmax and its gradient are live together in the loss
+        if (m.parent, names) not in inputs_seen:
+            inputs_seen.add((m.parent, names))
+            elements += rows * m.local(m.in_dims, model_axes, sizes)
+        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + elements
+        if m.row.names and m.row.names[m.in_dims[0]] == "embed" and m.layers > 1:
+            residual[m.layers] = tokens * m.local(m.in_dims, model_axes, sizes) / seq_ways
+    for m in _attention_parents(ms).values():
+        heads_ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.out_dims[:1]) & model_axes)
+        heads = m.row.shape[m.out_dims[0]] // heads_ways
+        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + tokens * workload.seq_len * heads
+    total = 0.0
+    for layers, elements in per_layer.items():
+        if plan.remat and layers > 1:
+            total += layers * residual.get(layers, 0.0) + elements
+        else:
+            total += layers * elements
+    return total * workload.act_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A modelled training step: compute at the device's sustained rate, then communication (no overlap)."""
+
+    compute_s: float
+    comm_s: float
+    hardware: str
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compute_s": self.compute_s, "comm_s": self.comm_s, "total_s": self.total_s, "hardware": self.hardware}
+
+
+def step_time(flops: float, traffic: Iterable[Traffic], hw: Hardware, mesh_shape: Mapping[str, int]) -> StepTime:
+    """Modelled step time: ``flops / (peak × utilisation)`` plus, per collective, its ring traffic over the
+    bandwidth of the slowest link its axes cross and a latency per op.
+
+    >>> h = HARDWARE["h100"]
+    >>> t = step_time(1e12, [Traffic("all-reduce", ("data",), 9e8, 9e8)], h, {"data": 8})
+    >>> round(t.compute_s * 1e3, 3), round(t.comm_s * 1e3, 3)
+    (2.022, 2.005)
+    """
+    comm = 0.0
+    for t in traffic:
+        bandwidth, latency = hw.link(t.axes, mesh_shape)
+        comm += t.traffic_bytes / bandwidth + t.count * latency
+    return StepTime(flops / (hw.flops * hw.utilisation), comm, hw.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What the cost model expects of one plan, per device and per step, without compiling anything."""
+
+    per_device_bytes: dict[str, int]  # model state: params, grads, optimizer, total
+    activation_bytes: int
+    padding_bytes: int  # of block alignment, in the stored parameters, gradients and optimizer state
+    traffic: tuple[Traffic, ...]
+    flops: float
+    time: StepTime
+
+    @property
+    def memory_bytes(self) -> int:
+        """What must fit in a device's memory at the step's peak: the model state, the kept activations, and
+        the optimizer's update (a temporary the size of the parameters)."""
+        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + self.activation_bytes
+
+    @property
+    def comm_bytes(self) -> int:
+        return int(sum(t.traffic_bytes for t in self.traffic))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "per_device_bytes": self.per_device_bytes,
+            "activation_bytes": self.activation_bytes,
+            "memory_bytes": self.memory_bytes,
+            "padding_bytes": self.padding_bytes,
+            "comm_bytes_per_step": self.comm_bytes,
+            "collectives": [t.to_dict() for t in self.traffic],
+            "flops_per_device": self.flops,
+            "step_time": self.time.to_dict(),
+        }
+
+
+def padding_bytes(layout: Any) -> int:
+    """Bytes per device that block-aligned sharding adds: each padded parameter's padding, once for the
+    parameter, once for its gradient and once per optimizer moment mirroring it."""
+    total = 0
+    for p in layout.params.leaves:
+        if p.padded_shape is None:
+            continue
+        suffix = "/" + p.path.split("/", 1)[-1]
+        moments = sum(1 for r in layout.opt_state.leaves if r.shape == p.padded_shape and r.path.endswith(suffix))
+        total += p.padding_bytes_per_device * (2 + moments)
+    return total
+
+
+def estimate(
+    plan: Plan,
+    params: Any,
+    mesh_shape: Mapping[str, int],
+    workload: Workload,
+    *,
+    optimizer: Any,
+    hardware: Hardware,
+) -> Estimate:
+    """The cost model's view of ``plan`` for abstract (annotated) ``params`` on mesh sizes alone: model state,
+    activations, traffic, FLOPs and a step time on ``hardware``.
+
+    >>> import optax, jax, spmd
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}
+    >>> e = estimate(spmd.Plan(batch_axes=("data",)), params, {"data": 8}, Workload(batch=8, seq_len=16),
+    ...              optimizer=optax.adam(1e-3), hardware=HARDWARE["h100"])
+    >>> e.per_device_bytes["total"] == 16 * 1024 * 1024 + 4, [t.kind for t in e.traffic]
+    (True, ['all-reduce'])
+    """
+    from spmd._train import resolve_state  # the training step's own resolution, so the two never disagree
+
+    plan.check_mesh(mesh_shape)
+    layout = resolve_state(plan, params, optimizer, mesh_shape)
+    moved = tuple(traffic(layout, plan, mesh_shape, workload))
+    flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
+    return Estimate(
+        per_device_bytes=model_state_bytes(layout),
+        activation_bytes=int(activation_bytes(layout.params.leaves, plan, mesh_shape, workload)),
+        padding_bytes=padding_bytes(layout),
+        traffic=moved,
+        flops=flops,
+        time=step_time(flops, moved, hardware, mesh_shape),
+    )
 
 
 def compare(compiled: float, analytic: float) -> str | None:
@@ -132,5 +590,5 @@ def compare(compiled: float, analytic: float) -> str | None:
         )
     return (
         f"compiled is {ratio:.2f}× the analytic figure: an unexpected collective usually means an intermediate "
-        f"left replicated (add a constraint) or activation traffic the model does not cover (tensor parallelism)"
+        f"left replicated (add a constraint) or a layout the compiler reshards between layers"
     )

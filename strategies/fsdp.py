@@ -7,7 +7,13 @@ from spmd._plan import ShardLargest
 
 
 def fsdp(
-    *, axis: str = "fsdp", min_bytes: int = 4096, avoid: tuple[str, ...] = ("layers",), remat: bool = True
+    *,
+    axis: str = "fsdp",
+    min_bytes: int = 4096,
+    avoid: tuple[str, ...] = ("layers",),
+    remat: bool = True,
+    block: int = 1,
+    paths: tuple[str, ...] = (),
 ) -> Plan:
     """Splits each parameter of at least ``min_bytes`` over ``axis`` on its largest dimension that the axis
     divides and that no other part of the plan took; the batch is split over ``axis`` too.
@@ -19,11 +25,18 @@ def fsdp(
     gathered weight alive from the forward to the backward pass and FSDP saves no peak memory; with it each
     layer's weights are gathered again in the backward pass (the ZeRO paper's 3Ψ traffic).
 
+    ``block`` (veScale-FSDP) aligns every shard to whole blocks of ``block`` rows, so block-wise optimizers
+    (blocked Shampoo, 8-bit Adam's quantisation blocks) find whole blocks on each device; an array with no such
+    dimension is padded, and the report shows the padding. ``paths`` limits the split to those arrays.
+
     >>> import numpy as np
     >>> fsdp(axis="fsdp", min_bytes=0).specs({"w": np.zeros((4, 16))}, {"fsdp": 4})
     {'w': P(None, 'fsdp')}
+    >>> layout = fsdp(axis="fsdp", min_bytes=0, block=8).resolve({"w": np.zeros((4, 16))}, {"fsdp": 4})
+    >>> layout.leaves[0].spec, layout.leaves[0].padded_shape  # 16 / 4 = 4 rows: padded to 32 for 8-row blocks
+    (P(None, 'fsdp'), (4, 32))
     """
     if min_bytes < 0:
         raise ValueError(f"strategies.fsdp: min_bytes must be >= 0, got {min_bytes}")
-    part = ShardLargest(axis=axis, min_bytes=min_bytes, avoid=tuple(avoid))
+    part = ShardLargest(axis=axis, min_bytes=min_bytes, avoid=tuple(avoid), block=block, paths=tuple(paths))
     return Plan(parts=(part,), batch_axes=(axis,), remat=remat)

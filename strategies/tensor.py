@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from spmd import Plan
+from spmd import Plan, costmodel
 from spmd._plan import LogicalRules
 
 # Common parameter names of unannotated third-party Flax models: column-parallel, then row-parallel projections.
@@ -48,3 +49,74 @@ def sequence_parallel(*, axis: str = "tensor") -> Plan:
     """
     seq = Plan(parts=(LogicalRules((("seq", (axis,)),), "sequence_parallel", report_unused=False),))
     return tensor_parallel(axis=axis) + seq
+
+
+def tensor_parallel_2d(*, axes: tuple[str, str] = ("tensor", "tensor2")) -> Plan:
+    """2-D tensor parallelism (ATP, Optimus): every weight split over two mesh axes at once.
+
+    ``axes[0]`` splits the residual stream's ``embed`` dimension — of the activations between blocks and of
+    every weight touching them — and ``axes[1]`` splits attention heads, the MLP hidden dimension and the
+    vocabulary. Each matmul then contracts a split dimension: ``query``/``key``/``value``/``wi``/``lm_head``
+    all-reduce their outputs over ``axes[0]`` and their input gradients over ``axes[1]``, ``out``/``wo`` the
+    other way round. Which physical axis should take which role depends on the links: see
+    :func:`choose_tensor_2d`, which asks the cost model.
+
+    >>> import numpy as np
+    >>> from flax import linen as nn
+    >>> wi = nn.LogicallyPartitioned(np.zeros((64, 256)), ("embed", "mlp"))
+    >>> tensor_parallel_2d().specs({"wi": wi}, {"tensor": 2, "tensor2": 2})
+    {'wi': P('tensor', 'tensor2')}
+    """
+    embed_axis, model_axis = axes
+    if embed_axis == model_axis:
+        raise ValueError(f"tensor_parallel_2d: the two axes must differ, got {axes}")
+    rules = (
+        ("heads", (model_axis,)),
+        ("mlp", (model_axis,)),
+        ("vocab", (model_axis,)),
+        ("embed", (embed_axis,)),
+    )
+    return Plan(parts=(LogicalRules(rules, "tensor_parallel_2d", report_unused=False),))
+
+
+def choose_tensor_2d(
+    params: Any,
+    mesh_axes: Mapping[str, int],
+    workload: costmodel.Workload,
+    hardware: costmodel.Hardware,
+    *,
+    axes: tuple[str, str] = ("tensor", "tensor2"),
+    base: Plan | None = None,
+    optimizer: Any = None,
+) -> Plan:
+    """ATP's choice for :func:`tensor_parallel_2d`: of the two ways to give ``axes`` their roles, the one whose
+    modelled communication time (per-axis bandwidth and latency of ``hardware``) is lower, composed onto
+    ``base``. The plan's notes record both times.
+
+    In a transformer the ``embed`` axis carries about twice the all-reduce volume of the other (the MLP's
+    hidden activations, split over the other axis), so the choice weighs each role's volume, which shrinks
+    with the other axis's size, against each axis's bandwidth: a fast axis usually takes ``embed``.
+
+    >>> import jax, spmd
+    >>> from spmd import models
+    >>> params = jax.eval_shape(models.get("gpt-tiny", layers=1).init, jax.random.key(0))
+    >>> slow_tensor = costmodel.HARDWARE["h100"].with_axis_bandwidth({"tensor": 5e9})
+    >>> plan = choose_tensor_2d(params, {"tensor": 2, "tensor2": 4}, costmodel.Workload(8, 32), slow_tensor)
+    >>> plan.notes[0].startswith("tensor_parallel_2d: embed over tensor2")
+    True
+    """
+    import optax
+
+    base = base or Plan()
+    optimizer = optimizer or optax.sgd(0.0)
+    timed = []
+    for roles in (tuple(axes), tuple(axes)[::-1]):
+        plan = base + tensor_parallel_2d(axes=roles)
+        est = costmodel.estimate(plan, params, mesh_axes, workload, optimizer=optimizer, hardware=hardware)
+        timed.append((est.time.comm_s, roles, plan))
+    (best_s, (embed_axis, model_axis), plan), (other_s, *_) = sorted(timed, key=lambda t: t[0])
+    note = (
+        f"tensor_parallel_2d: embed over {embed_axis}, heads/mlp/vocab over {model_axis}: modelled communication "
+        f"{best_s * 1e3:.3g} ms per step on {hardware.name}, against {other_s * 1e3:.3g} ms the other way round"
+    )
+    return dataclasses.replace(plan, notes=plan.notes + (note,))

@@ -115,6 +115,8 @@ def test_compare_rows_and_plot(capsys, tmp_path):
     for r in rows:
         assert {"per_device_bytes", "compiled_memory", "collectives", "comm_bytes_per_step", "step_time_s"} <= set(r)
         assert set(r["comm_bytes_per_step"]) == {"compiled", "analytic"} and r["step_time_s"] > 0
+        assert r["per_device_bytes"]["total"] == sum(r["per_device_bytes"][k] for k in ("params", "grads", "optimizer"))
+        assert r["modelled_step_time"]["total_s"] > 0 and r["analytic_memory"]["argument_bytes"] > 0
     assert rows[1]["per_device_bytes"]["total"] < rows[0]["per_device_bytes"]["total"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
@@ -142,6 +144,17 @@ BAD = [
     ),
     (["plan", "--frobnicate"], r"unrecognized arguments: --frobnicate"),
     (["compare", "--mesh", "data=8", "--strategies", "dp,zero9"], r"unknown strategy 'zero9'"),
+    (["suggest"], r"suggest needs --memory-per-device \(e.g. 16GiB\)"),
+    (["suggest", "--memory-per-device", "lots"], r"--memory-per-device 'lots': give a positive size like 16GiB"),
+    (["plan", "--mesh", "data=8", "--strategy", "osdp"], r"osdp chooses what to shard under a memory budget"),
+    (
+        ["plan", "--mesh", "data=8", "--strategy", "osdp", "--memory-per-device", "64KiB", "--layers", "1"],
+        r"osdp: even with every parameter sharded over 'data' a device needs",
+    ),
+    (["plan", "--mesh", "data=8", "--block", "128"], r"block alignment \(128 rows\) applies to parameter splits"),
+    (["plan", "--mesh", "tensor=8", "--strategy", "tp2d"], r"uses mesh axis 'tensor2', but the mesh has only"),
+    (["plan", "--device-kind", "tpu-v9"], r"unknown device kind 'tpu-v9'; choose from tpu-v5e"),
+    (["plan", "--axis-bandwidth", "tensor"], r"--axis-bandwidth 'tensor': give axis=GB/s pairs"),
 ]
 
 
@@ -181,3 +194,27 @@ def test_demo_end_to_end_in_a_subprocess():
         "matches the single-device run",
     ):
         assert expected in out, expected
+
+
+def test_suggest_picks_a_plan_that_fits_where_dp_does_not(capsys):
+    # gpt-tiny (2 layers) with Adam: data parallelism needs about 4 MiB per device, so a 3 MiB budget forces
+    # sharding; the pick is confirmed by compiling it on the 8 devices.
+    budget = 3 << 20
+    code, out, _ = run_cli(
+        capsys, "suggest", "--model", "gpt-tiny", "--layers", "2", "--memory-per-device", "3MiB",
+        "--device-kind", "h100", "--confirm", "1", "--json",
+    )  # fmt: skip
+    assert code == 0
+    j = json.loads(out)
+    ranked = j["ranked"]
+    dp = next(r for r in ranked if r["strategy"] == "dp" and r["mesh"] == {"data": 8})
+    assert not dp["fits"] and dp["modelled"]["memory_bytes"] > budget
+    pick = j["pick"]
+    assert pick["fits"] and pick["confirmed"] and pick["compiled_memory"]["peak_bytes"] <= budget
+    assert pick["strategy"] != "dp" and "fits 3.00 MiB" in j["why"] and "plain data parallelism needs" in j["why"]
+    # Ranked: every fitting plan before every other, each group by modelled step time.
+    fits = [r["fits"] for r in ranked]
+    assert fits == sorted(fits, reverse=True)
+    times = [r["modelled"]["step_time"]["total_s"] for r in ranked if r["fits"]]
+    assert times == sorted(times)
+    assert {r["strategy"] for r in ranked} >= {"dp", "zero1", "zero2", "zero3", "dp+fsdp", "dp+tp", "dp+sp"}

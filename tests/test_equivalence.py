@@ -8,7 +8,7 @@ import pytest
 
 import spmd
 import strategies
-from spmd import data, models
+from spmd import costmodel, data, models
 from tests.conftest import assert_trees_close
 
 STEPS, BATCH = 3, 16
@@ -90,3 +90,64 @@ def test_sharded_step_equals_single_device(reference, kind, name, shape):
     assert split(kernel) == wanted, (kernel.sharding.spec, wanted)
     wanted |= {a for p in parts for a in STATE_ONLY_AXES.get(p, ()) if mesh.shape[a] > 1}
     assert split(moment) == wanted, (moment.sharding.spec, wanted)
+
+
+def _osdp(mesh_axes, base=None):
+    # A budget between the fully sharded and the replicated footprints, so OSDP shards some arrays, not all.
+    model = _model("linen")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    workload = costmodel.Workload(BATCH, model.config.seq_len)
+    return strategies.osdp(
+        params,
+        mesh_axes,
+        workload,
+        costmodel.HARDWARE["h100"],
+        memory_per_device=int(1.6 * (1 << 20)),
+        optimizer=optax.sgd(0.1, momentum=0.9),
+        base=base,
+    )
+
+
+# Strategies built by functions with options (block alignment, 2-D roles, a memory budget), each on two meshes.
+BUILT = {
+    "tp2d-tensor2xtensor2_4": ({"tensor": 2, "tensor2": 4}, lambda m: strategies.tensor_parallel_2d()),
+    "dp+tp2d-swapped-2x2x2": (
+        {"data": 2, "tensor": 2, "tensor2": 2},
+        lambda m: strategies.data_parallel() + strategies.tensor_parallel_2d(axes=("tensor2", "tensor")),
+    ),
+    "fsdp-block16-fsdp8": ({"fsdp": 8}, lambda m: strategies.fsdp(block=16)),
+    "hsdp-block16-2x4": ({"data": 2, "fsdp": 4}, lambda m: strategies.hsdp().with_block(16)),
+    "osdp-data8": ({"data": 8}, lambda m: _osdp(m)),
+    "osdp+tp-4x2": ({"data": 4, "tensor": 2}, lambda m: _osdp(m, strategies.tensor_parallel())),
+}
+
+
+@pytest.mark.parametrize("case", list(BUILT))
+def test_built_strategies_equal_single_device(reference, case):
+    mesh_axes, build = BUILT[case]
+    plan = build(mesh_axes)
+    model = _model("linen")
+    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, spmd.make_mesh(mesh_axes))
+    state = step.init(model.init, jax.random.key(0))
+    losses = []
+    for i in range(STEPS):
+        state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
+        losses.append(float(loss))
+    ref_losses, ref_state = reference("linen")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(step.params_of(state), ref_state.params, rtol=1e-5, atol=1e-6)
+    rows = step.layout.params.leaves
+    if "block" in case:
+        # Every split dimension holds whole 16-row blocks on each device, padded where it had to be.
+        for row, array in zip(rows, jax.tree.leaves(state.params), strict=True):
+            for dim, entry in enumerate(row.spec):
+                if entry is not None:
+                    assert array.addressable_shards[0].data.shape[dim] % 16 == 0, row.path
+        # 16-row blocks over 8 devices need dimensions of 128: d_model 64 is padded; over 4, 64 divides.
+        assert any(row.padded_shape for row in rows) == (mesh_axes["fsdp"] == 8)
+    if "osdp" in case:
+        shardable = sum(1 for row in rows if row.bytes >= 4096)
+        assert 0 < sum(1 for row in rows if "data" in str(row.spec)) < shardable
+    if "tp2d" in case:
+        (embed_axis,) = {row.spec[1] for row in rows if row.path.endswith("mlp/wi/kernel")}
+        assert embed_axis == ("tensor" if "swapped" not in case else "tensor2")

@@ -104,6 +104,12 @@ def test_report_shows_the_all_to_alls(sharded):
     assert not [c for c in collectives if c["kind"] == "all-gather"], collectives
     if name == "dp+ep":  # the expert kernels' gradients are summed across the data replicas only
         assert any(c["kind"] == "all-reduce" and c["axes"] == ["data"] for c in collectives), collectives
+    # The cost model expects exactly these all-to-alls (the same bytes), and the whole step's traffic.
+    report = spmd.report(step, batch)
+    (analytic,) = [t for t in report.analytic_collectives if t.kind == "all-to-all"]
+    assert analytic.count == a2a[0]["count"] and analytic.bytes == a2a[0]["bytes"]
+    comm = report.comm_bytes_per_step
+    assert 0.99 <= comm["compiled"] / comm["analytic"] <= 1.01, comm
 
 
 def test_composes_with_tensor_parallelism_without_gathering_the_batch():

@@ -1,0 +1,174 @@
+"""Suggest a plan: enumerate meshes and strategy compositions, rank them by the cost model, confirm by compiling.
+
+Everything before confirmation is analytic (:func:`spmd.costmodel.estimate` on abstract parameters and mesh
+sizes), so a laptop can plan for 64 devices; confirmation compiles the best few on the devices present (emulated
+CPU devices will do) and reads their real memory and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from spmd import Plan, PlanError, costmodel, format_bytes
+from strategies import Context, from_names
+
+# The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
+_DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """One candidate: a mesh, a ``--strategy`` composition, what the cost model expects, and (once confirmed)
+    what the compiler made of it."""
+
+    mesh: dict[str, int]
+    strategy: str
+    plan: Plan
+    estimate: costmodel.Estimate
+    fits: bool  # modelled memory within the budget
+    compiled_memory: dict[str, int] | None = None
+    compiled_comm_bytes: int | None = None
+    confirmed: bool | None = None  # whether the compiled program's peak fits the budget (None: not compiled)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mesh": self.mesh,
+            "strategy": self.strategy,
+            "plan": self.plan.describe(),
+            "notes": list(self.plan.notes),
+            "fits": self.fits,
+            "modelled": self.estimate.to_dict(),
+            "compiled_memory": self.compiled_memory,
+            "compiled_comm_bytes": self.compiled_comm_bytes,
+            "confirmed": self.confirmed,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def compositions(devices: int, *, max_tensor: int = 8) -> Iterator[tuple[dict[str, int], str]]:
+    """Every (mesh, strategy) tried for ``devices``: the data-parallel devices as one ``data`` axis (DP, ZeRO-1/2/3,
+    OSDP) or as ``data`` × ``fsdp`` (HSDP), times a ``tensor`` axis of up to ``max_tensor`` devices (tensor or
+    sequence parallel) placed innermost, on the fastest links.
+
+    >>> [s for m, s in compositions(4, max_tensor=2) if m.get("tensor", 1) == 2]
+    ['dp+tp', 'dp+sp', 'zero1+tp', 'zero1+sp', 'zero2+tp', 'zero2+sp', 'zero3+tp', 'zero3+sp', 'osdp+tp', 'osdp+sp']
+    """
+    for tensor in _divisors(devices):
+        if tensor > max_tensor:
+            break
+        rest = devices // tensor
+        tails = [("tensor", tensor, t) for t in ("tp", "sp")] if tensor > 1 else [(None, 1, None)]
+        shapes: list[tuple[dict[str, int], list[str]]] = []
+        if rest > 1:
+            shapes.append(({"data": rest}, list(_DATA_STAGES)))
+            for fsdp in _divisors(rest)[1:-1]:
+                shapes.append(({"data": rest // fsdp, "fsdp": fsdp}, ["dp+fsdp"]))
+        elif tensor > 1:
+            shapes.append(({}, [""]))
+        for axes, stages in shapes:
+            for stage in stages:
+                for axis, size, tail in tails:
+                    mesh = dict(axes) | ({axis: size} if axis else {})
+                    yield mesh, "+".join(p for p in (stage, tail) if p)
+
+
+def rank(
+    params: Any,
+    workload: costmodel.Workload,
+    hardware: costmodel.Hardware,
+    *,
+    devices: int,
+    memory_per_device: int,
+    optimizer: Any,
+    max_tensor: int = 8,
+) -> tuple[list[Suggestion], list[str]]:
+    """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
+    and one line per composition that could not be planned (a dimension no axis divides, a batch too small)."""
+    ctx = Context(params, workload, hardware, optimizer, memory_per_device)
+    out, skipped = [], []
+    for mesh, strategy in compositions(devices, max_tensor=max_tensor):
+        shown = ",".join(f"{k}={v}" for k, v in mesh.items())
+        ways = mesh.get("data", 1) * mesh.get("fsdp", 1)
+        if workload.batch % ways:
+            skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
+            continue
+        try:
+            plan = from_names(strategy, mesh, context=ctx)
+            est = costmodel.estimate(plan, params, mesh, workload, optimizer=optimizer, hardware=hardware)
+        except (PlanError, ValueError) as e:
+            skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
+            continue
+        if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
+            continue  # osdp that shards nothing is the data-parallel plan again
+        out.append(Suggestion(mesh, strategy, plan, est, est.memory_bytes <= memory_per_device))
+    out.sort(key=lambda s: (not s.fits, s.estimate.time.total_s))
+    return out, skipped
+
+
+def confirm(
+    ranked: list[Suggestion],
+    compile_report: Callable[[Mapping[str, int], Plan], Any],
+    *,
+    memory_per_device: int,
+    top: int = 3,
+    max_compiles: int | None = None,
+) -> list[Suggestion]:
+    """Compiles fitting suggestions in rank order (``compile_report(mesh, plan)`` returns a
+    :class:`spmd.Report`) until ``top`` of them are confirmed to fit by their compiled peak memory, or
+    ``max_compiles`` (default ``3 * top``) have been compiled; records the compiled memory and traffic."""
+    budget = 3 * top if max_compiles is None else max_compiles
+    fitted = compiled = 0
+    out = []
+    for s in ranked:
+        if s.fits and fitted < top and compiled < budget:
+            report = compile_report(s.mesh, s.plan)
+            memory = dict(report.compiled_memory)
+            fits = memory.get("peak_bytes", 0) <= memory_per_device
+            s = dataclasses.replace(
+                s, compiled_memory=memory, compiled_comm_bytes=report.comm_bytes_per_step["compiled"], confirmed=fits
+            )
+            compiled += 1
+            fitted += fits
+        out.append(s)
+    return out
+
+
+def pick(suggestions: list[Suggestion], memory_per_device: int) -> tuple[Suggestion | None, str]:
+    """The fastest suggestion whose compiled program fits (else the fastest modelled to fit and not refuted by
+    its compile), and why."""
+    budget = format_bytes(memory_per_device)
+    confirmed = [s for s in suggestions if s.confirmed]
+    unrefuted = [s for s in suggestions if s.fits and s.confirmed is not False]
+    best = confirmed[0] if confirmed else unrefuted[0] if unrefuted else None
+    if best is None:
+        least = min(suggestions, key=lambda s: s.estimate.memory_bytes, default=None)
+        need = (
+            ""
+            if least is None
+            else f"; the smallest ({least.strategy}) needs {format_bytes(least.estimate.memory_bytes)}"
+        )
+        return None, f"no plan fits {budget} per device{need}"
+    mesh = ",".join(f"{k}={v}" for k, v in best.mesh.items())
+    t = best.estimate.time
+    why = f"{best.strategy} on {mesh}: the fastest modelled step ({t.total_s * 1e3:.3g} ms on {t.hardware})"
+    refuted = [s for s in suggestions if s.confirmed is False]
+    if best.confirmed:
+        why += f" whose compiled peak ({format_bytes(best.compiled_memory['peak_bytes'])}) fits {budget}"
+    else:
+        why += f" of the plans modelled to fit {budget}; not confirmed by compiling"
+    if refuted:
+        faster = [s.strategy + " on " + ",".join(f"{k}={v}" for k, v in s.mesh.items()) for s in refuted]
+        why += f"; modelled to fit but compiled too large: {', '.join(faster)}"
+    dp = next((s for s in suggestions if s.strategy == "dp" and set(s.mesh) == {"data"}), None)
+    if dp is not None and not (dp.fits and dp.confirmed is not False):
+        peak = dp.compiled_memory["peak_bytes"] if dp.compiled_memory else dp.estimate.memory_bytes
+        why += f"; plain data parallelism needs {format_bytes(peak)}"
+    return best, why
+
+
+__all__ = ["Suggestion", "compositions", "confirm", "pick", "rank"]
