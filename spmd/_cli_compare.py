@@ -176,7 +176,10 @@ def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: 
     table = Table(title=title, title_justify="left")
     columns = ("#", "mesh", "strategy", "memory (model)", "fits", "compiled peak", "traffic", "step (model)")
     for col in columns:
-        table.add_column(col, justify="left" if col in ("mesh", "strategy", "fits") else "right")
+        # The mesh and strategy are what a reader copies into `spmd run`: never cut them short.
+        table.add_column(
+            col, justify="left" if col in ("mesh", "strategy", "fits") else "right", no_wrap=col in ("mesh", "strategy")
+        )
     for i, s in enumerate(rows, 1):
         e = s.estimate
         peak = "" if s.compiled_memory is None else mb(s.compiled_memory.get("peak_bytes"))

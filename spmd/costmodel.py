@@ -63,6 +63,7 @@ class Workload:
     ``top_k`` and ``capacity_factor`` describe mixture-of-experts routing (the built-in ``moe-tiny``'s values);
     ``act_bytes`` is the width of an activation element.
 
+    >>> import numpy as np
     >>> Workload.from_batch({"tokens": np.zeros((32, 128), np.int32)}).tokens
     4096
     """

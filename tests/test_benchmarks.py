@@ -45,3 +45,15 @@ def test_planning_script():
     for label in ("plan.resolve on data=2,fsdp=2,tensor=2", "µs / leaf", "time / previous", "leaves / previous"):
         assert label in out, out
     assert "adam state, params=" in out and "growth 1,000/100" in out and "mirroring 2,001" in out, out
+
+
+@pytest.mark.slow
+def test_cost_model_script():
+    out = run_script("cost_model.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16", "--block", "16")
+    assert "compiled / analytic, per device, per step" in out, out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert {"dp", "zero1", "zero2", "zero3", "dp+tp", "dp+sp", "dp+tp2d", "zero3 block 16"} <= set(rows), out
+    for name in ("dp", "zero1", "dp+tp", "dp+sp"):
+        traffic, arguments = (float(x) for x in rows[name].split("│")[3:5])
+        assert 0.9 <= traffic <= 1.1 and arguments == 1.0, rows[name]
+    assert float(rows["zero3 block 16"].split("│")[6]) > 0  # 64-wide dimensions padded to 128 rows
