@@ -34,6 +34,18 @@ EXTRA_SHAPES = {
 }
 CASES = [(kind, name, shape) for kind in ("linen", "nnx") for name, shapes in SHAPES.items() for shape in shapes]
 CASES += [("linen", name, shape) for name, shapes in EXTRA_SHAPES.items() for shape in shapes]
+
+
+def _tier(kind, name, shape):
+    """The default run keeps the first shape of every composition (two for linen's); the rest run with -m slow."""
+    position = (SHAPES | EXTRA_SHAPES)[name].index(shape)
+    fast = position == 0 or (kind == "linen" and position == 1 and name in SHAPES)
+    return () if fast else (pytest.mark.slow,)
+
+
+PARAMS = [
+    pytest.param(*case, marks=_tier(*case), id=f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}") for case in CASES
+]
 # Mesh axes each strategy splits the parameters over, and those it splits only gradients/optimizer state over.
 PARAM_AXES = {"fsdp": {"fsdp"}, "tp": {"tensor"}, "sp": {"tensor"}, "zero3": {"data"}, "hsdp": {"fsdp"}}
 STATE_ONLY_AXES = {"zero1": {"data"}, "zero2": {"data"}}
@@ -69,7 +81,7 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("kind,name,shape", CASES, ids=[f"{k}-{n}-{'x'.join(map(str, s))}" for k, n, s in CASES])
+@pytest.mark.parametrize("kind,name,shape", PARAMS)
 def test_sharded_step_equals_single_device(reference, kind, name, shape):
     mesh = spmd.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape, strict=True)))
     plan = strategies.from_names(name)
