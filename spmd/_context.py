@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import linen as nn
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
@@ -65,5 +65,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
             f"spmd.constrain: {len(names)} names {tuple(names)} for an array of shape {x.shape}; "
             f"give one logical name (or None) per dimension"
         )
-    spec = plan.activation_spec(tuple(names), x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    # Inside a shard_map over some axes (a pipeline's stages and data shards) the constraint names the context's
+    # mesh, in which those axes are manual: ``x`` is one device's part along them, so they leave the spec.
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        spec = plan.activation_spec(tuple(names), x.shape, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    manual = set(context.manual_axes)
+    local = {a: 1 if a in manual else n for a, n in mesh.shape.items()}
+    spec = plan.activation_spec(tuple(names), x.shape, local)
+    spec = PartitionSpec(*[_without(entry, manual) for entry in spec])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+
+
+def _without(entry: Any, manual: set[str]) -> Any:
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in manual)
+    return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -42,7 +42,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -85,6 +85,7 @@ _CALLEE_ATTR = re.compile(
     r"\b(to_apply|calls|condition|body|true_computation|false_computation|branch_computations"
     r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 
 
@@ -129,13 +130,22 @@ class _Instr:
     root: bool = False
 
 
-def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Collective]:
+def collectives(
+    hlo_text: str,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    branch_weights: Mapping[str, Sequence[float]] | None = None,
+) -> list[Collective]:
     """The collectives ``hlo_text`` executes per run, aggregated by (kind, raw_kind, axes, group_size).
 
     ``hlo_text`` is ``compiled.as_text()``; ``mesh`` (the one the program was jitted over) names the axes,
     which stay empty without it. Degenerate collectives (one device per group) are dropped. An all-reduce whose
     result is only sliced to 1/N counts as a reduce-scatter (see the module doc); a combined one split between
     both kinds adds one to the count of each. Sorted by ``traffic_bytes``, largest first.
+
+    Each branch of a conditional counts as if it ran (an upper bound), except for conditionals made under a
+    named scope in ``branch_weights``: there branch ``i`` counts ``branch_weights[scope][i]`` times per run of
+    the conditional (a pipeline's tick switch, whose branches' shares the schedule gives).
 
     >>> text = '''HloModule m, num_partitions=2
     ... ENTRY %main (p: f32[8]) -> f32[8] {
@@ -159,7 +169,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Co
     if entry is None:
         return []
     num_devices = _num_devices(hlo_text)
-    multiplier = _multipliers(computations, entry)
+    multiplier = _multipliers(computations, entry, branch_weights or {})
 
     flow = _Dataflow(computations)
     totals: dict[tuple[str, str, tuple[str, ...], int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -183,7 +193,7 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[Co
                 total[2] += times * nbytes * _traffic_factor(counted, n)
 
     out = [
-        Collective(kind, axes, n, int(count), int(nbytes), round(traffic), raw_kind)
+        Collective(kind, axes, n, round(count), round(nbytes), round(traffic), raw_kind)
         for (kind, raw_kind, axes, n), (count, nbytes, traffic) in totals.items()
     ]
     out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.raw_kind, c.axes))
@@ -262,7 +272,7 @@ def _num_devices(text: str) -> int:
     return (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
 
 
-def _callees(instr: _Instr) -> list[tuple[str, int]]:
+def _callees(instr: _Instr, branch_weights: Mapping[str, Sequence[float]]) -> list[tuple[str, float]]:
     """(computation, executions per execution of ``instr``) for each computation ``instr`` calls."""
     # A natively async collective (`all-gather-start`) is counted itself; descending into whatever it
     # references as well would count it twice. `-done`/`-update` halves repeat the `-start`'s callee.
@@ -274,15 +284,26 @@ def _callees(instr: _Instr) -> list[tuple[str, int]]:
         found = _TRIP_COUNT.search(instr.attrs)
         # Without a known trip count the body is counted once: a lower bound.
         trips = int(found.group(1)) if found else 1
+    weights = None
+    if instr.opcode == "conditional":
+        scope = _OP_NAME.search(instr.attrs)
+        path = scope.group(1) if scope else ""
+        weights = next((w for name, w in branch_weights.items() if path.endswith(f"{name}/cond")), None)
     out = []
     for key, value in _CALLEE_ATTR.findall(attrs):
-        # Each conditional branch counts as if it ran: an upper bound, since exactly one runs.
+        # Each conditional branch counts as if it ran: an upper bound, since exactly one runs (unless weighted).
         times = trips if key == "body" else trips + 1 if key == "condition" and instr.opcode == "while" else 1
-        out.extend((name.lstrip("%"), times) for name in re.findall(r"%?([\w.\-]+)", value))
+        names = re.findall(r"%?([\w.\-]+)", value)
+        if key == "branch_computations" and weights is not None and len(weights) == len(names):
+            out.extend((name.lstrip("%"), float(w)) for name, w in zip(names, weights, strict=True))
+        else:
+            out.extend((name.lstrip("%"), times) for name in names)
     return out
 
 
-def _multipliers(computations: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
+def _multipliers(
+    computations: dict[str, list[_Instr]], entry: str, branch_weights: Mapping[str, Sequence[float]]
+) -> dict[str, float]:
     """How many times each computation reachable from ``entry`` runs per program run."""
     edges: dict[str, list[tuple[str, int]]] = {}
     stack, seen = [entry], {entry}
@@ -291,7 +312,7 @@ def _multipliers(computations: dict[str, list[_Instr]], entry: str) -> dict[str,
         edges[comp] = [
             (callee, times)
             for instr in computations.get(comp, [])
-            for callee, times in _callees(instr)
+            for callee, times in _callees(instr, branch_weights)
             if callee in computations
         ]
         for callee, _ in edges[comp]:

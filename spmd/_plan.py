@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd._schedule import PipelineSpec
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 AxisEntry = Union[None, str, tuple[str, ...]]  # noqa: UP007 (a runtime alias)
@@ -266,6 +267,7 @@ class Plan:
     strict: bool = False
     notes: tuple[str, ...] = ()
     remat: bool = False  # rematerialise each layer in the backward pass (FSDP: re-gather rather than keep weights)
+    pipeline: PipelineSpec | None = None  # stages on a mesh axis, run by a schedule (strategies.pipeline)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -313,6 +315,10 @@ class Plan:
     def __add__(self, other: Plan) -> Plan:
         if not isinstance(other, Plan):
             return NotImplemented
+        if self.pipeline and other.pipeline and self.pipeline != other.pipeline:
+            raise PlanError(
+                f"two pipeline parts in one plan: {self.pipeline.describe()} and {other.pipeline.describe()}; keep one"
+            )
         return Plan(
             parts=self.parts + other.parts,
             batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
@@ -320,6 +326,7 @@ class Plan:
             strict=self.strict or other.strict,
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
+            pipeline=self.pipeline or other.pipeline,
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -368,11 +375,17 @@ class Plan:
                 parts.append(f"{part.source}({options})")
                 if part.applies_to != ROLES:
                     parts[-1] = parts[-1][:-1] + f", {'+'.join(part.applies_to)} only)"
-            elif part.source not in parts:
-                parts.append(part.source)
+            elif part.source not in parts and not (self.pipeline and part.source == "pipeline"):
+                parts.append(part.source)  # (a pipeline's own rule is described with the pipeline below)
         batch = ",".join(self.batch_axes) or "replicated"
         remat = "; layers rematerialised" if self.remat else ""
-        return f"batch over {batch}" + (f"; {' + '.join(parts)}" if parts else "; parameters replicated") + remat
+        pipeline = f"; {self.pipeline.describe()}" if self.pipeline else ""
+        return (
+            f"batch over {batch}"
+            + (f"; {' + '.join(parts)}" if parts else "; parameters replicated")
+            + remat
+            + pipeline
+        )
 
     def __str__(self) -> str:
         return self.describe()
@@ -391,6 +404,8 @@ class Plan:
                 bucket.update(a for _, axes in part.rules for a in axes)
             else:
                 bucket.add(part.axis)
+        if self.pipeline:
+            used.setdefault("pipeline", set()).add(self.pipeline.axis)
         return used
 
     def check_mesh(self, mesh: Mesh | Mapping[str, int]) -> None:

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from spmd import costmodel
 from spmd._hlo import Collective, collectives
+from spmd._pipeline import TICK_SCOPE
 from spmd._plan import LeafLayout, Plan
 from spmd._train import TrainStep
 from spmd.costmodel import StepTime, Traffic
@@ -47,6 +48,7 @@ class Report:
     analytic_memory: dict[str, int] = dataclasses.field(default_factory=dict)
     flops_per_device: float = 0.0
     modelled_step_time: StepTime | None = None
+    pipeline: dict[str, Any] | None = None  # the schedule's figures (spmd.Pipeline.summary), for pipeline plans
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
@@ -71,6 +73,7 @@ class Report:
             "analytic_memory": self.analytic_memory,
             "flops_per_device": self.flops_per_device,
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
+            "pipeline": self.pipeline,
             "warnings": list(self.warnings),
         }
 
@@ -128,6 +131,15 @@ class Report:
                 f"; modelled step on {t.hardware}: compute {_ms(t.compute_s)} + communication {_ms(t.comm_s)}"
             )
         parts: list[Any] = [params, memory, comms]
+        if self.pipeline:
+            pl = self.pipeline
+            parts.append(
+                f"pipeline: {pl['schedule']} on {pl['stages']} stages × {pl['virtual']} chunk(s), "
+                f"{pl['microbatches']} microbatches, layers per stage {pl['layers_per_stage']}; simulated bubble "
+                f"{pl['bubble_fraction']:.3f}, peak in flight {pl['peak_inflight']}, held until W {pl['peak_held']}; "
+                f"executed in {pl['ticks']} ticks with {pl['slots']} input slots of "
+                f"{format_bytes(pl['slot_bytes'])} per device"
+            )
         parts += [f"note: {n}" for n in self.plan.notes]
         parts += [f"[yellow]warning:[/] {w}" for w in self.warnings]
         return Group(*parts)
@@ -177,15 +189,32 @@ def report(
     compiled = step.compiled if step.compiled is not None else step.compile(batch)
     layout, plan, mesh = step.layout, step.plan, step.mesh
     workload = workload or costmodel.Workload.from_batch(batch)
-    inventory = tuple(collectives(compiled.as_text(), mesh))
-    analytic = tuple(costmodel.traffic(layout, plan, mesh.shape, workload))
+    pipeline = step.pipeline
+    weights = {TICK_SCOPE: pipeline.branch_weights} if pipeline else None
+    inventory = tuple(collectives(compiled.as_text(), mesh, branch_weights=weights))
+    analytic = costmodel.traffic(layout, plan, mesh.shape, workload)
+    summary = None
+    if pipeline is not None:
+        params = step.abstract_state().params
+        message = pipeline.activation(params, batch, step.data_axes)
+        message_bytes = math.prod(message.shape) * np.dtype(message.dtype).itemsize
+        prefix = "/".join(step.staged.layers_key) + "/"
+        outer = sum(row.bytes for row in layout.params.leaves if not row.path.startswith(prefix))
+        extra = costmodel.pipeline_traffic(pipeline.program.ticks, message_bytes, outer, plan.pipeline.axis, mesh.shape)
+        analytic = costmodel.merge_traffic([*analytic, *extra])
+        summary = {**pipeline.summary(), "slot_bytes": message_bytes}
+    analytic = tuple(analytic)
     state = costmodel.model_state_bytes(layout)
     batch_ways = math.prod(mesh.shape[a] for a in plan.batch_axes)
     batch_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // batch_ways
     analytic_memory = {
         # The step's arguments: the training state (parameters, optimizer state, the int32 step) and the batch.
         "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
-        "activation_bytes": int(costmodel.activation_bytes(layout.params.leaves, plan, mesh.shape, workload)),
+        "activation_bytes": (
+            int(costmodel.activation_bytes(layout.params.leaves, plan, mesh.shape, workload))
+            if summary is None
+            else 2 * summary["slots"] * summary["slot_bytes"]  # a pipeline keeps stage inputs and their gradients
+        ),
         "padding_bytes": costmodel.padding_bytes(layout),
     }
     # Temporaries: the gradients, the optimizer's parameter-sized update, and the kept activations.
@@ -235,6 +264,7 @@ def report(
         analytic_memory=analytic_memory,
         flops_per_device=flops,
         modelled_step_time=costmodel.step_time(flops, analytic, hw, mesh.shape),
+        pipeline=summary,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -12,8 +13,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._context import activate
-from spmd._plan import Layout, LeafLayout, Plan
-from spmd._tree import unbox
+from spmd._pipeline import Pipeline, StagedModel
+from spmd._plan import Layout, LeafLayout, Plan, PlanError
+from spmd._tree import leaves_with_paths, unbox
 
 
 class TrainState(NamedTuple):
@@ -135,17 +137,32 @@ class TrainStep:
         mesh: Mesh,
         *,
         donate: bool = True,
+        staged: StagedModel | None = None,
     ) -> None:
         plan.check_mesh(mesh)
+        if plan.pipeline is not None and staged is None:
+            raise PlanError(
+                f"the plan runs a pipeline ({plan.pipeline.describe()}), which needs the model cut into stages: "
+                f"pass staged=model.staged (built-in linen GPTs have one; see spmd.StagedModel for your own)"
+            )
         self.loss_fn, self.optimizer, self.plan, self.mesh = loss_fn, optimizer, plan, mesh
-        self.donate = donate
+        self.donate, self.staged = donate, staged
+        self.pipeline: Pipeline | None = None
         self.layout: StateLayout | None = None
         self.compiled: jax.stages.Compiled | None = None
         self._batch_shardings: Any = None
 
     # -- layout and init ----------------------------------------------------------------------------------
     def prepare(self, annotated_params: Any) -> StateLayout:
-        """Applies the plan to (abstract, possibly annotated) parameters and the optimizer state they imply."""
+        """Applies the plan to (abstract, possibly annotated) parameters and the optimizer state they imply.
+
+        A pipeline plan stores the stacked layers per stage (``[stage, chunk, layer, ...]``, see
+        :class:`spmd.Pipeline`); :meth:`params_of` gives them back in the model's own layout."""
+        if self.plan.pipeline is not None:
+            self.pipeline = Pipeline(
+                self.staged, self.plan.pipeline, self.mesh, layers=_layers(annotated_params, self.staged)
+            )
+            annotated_params = self.pipeline.stack(annotated_params)
         layout = resolve_state(self.plan, annotated_params, self.optimizer, self.mesh)
         named = lambda specs: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
@@ -161,7 +178,10 @@ class TrainStep:
         self.prepare(jax.eval_shape(init_fn, rng))
 
         def create(rng: jax.Array) -> TrainState:
-            params = pad(unbox(init_fn(rng)), self.layout.params)
+            params = init_fn(rng)
+            if self.pipeline is not None:
+                params = self.pipeline.stack(params)
+            params = pad(unbox(params), self.layout.params)
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
         return jax.jit(create, out_shardings=self.layout.shardings)
@@ -176,9 +196,14 @@ class TrainStep:
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         # Block-aligned layouts store padded arrays: the model sees them sliced, so their gradients come back
         # padded with zeros and the padding never changes.
-        loss_of_stored = lambda params: self.loss_fn(unpad(params, self.layout.params), batch)  # noqa: E731
         with activate(self.plan, self.mesh):
-            loss, grads = jax.value_and_grad(loss_of_stored)(state.params)
+            if self.pipeline is not None:
+                params = unpad(state.params, self.layout.params)
+                loss, grads = self.pipeline.value_and_grad(params, batch, data_axes=self.data_axes)
+                grads = pad(grads, self.layout.params)
+            else:
+                loss_of_stored = lambda params: self.loss_fn(unpad(params, self.layout.params), batch)  # noqa: E731
+                loss, grads = jax.value_and_grad(loss_of_stored)(state.params)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
         grads = jax.lax.with_sharding_constraint(grads, self.layout.grad_shardings)
@@ -186,10 +211,20 @@ class TrainStep:
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state), loss
 
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Batch axes that split no parameter: a pipeline runs manual over them and reduces once per step."""
+        self._need_layout()
+        split = {
+            a for row in self.layout.params.leaves for e in row.spec if e for a in ((e,) if isinstance(e, str) else e)
+        }
+        return tuple(a for a in self.plan.batch_axes if a not in split and self.mesh.shape[a] > 1)
+
     def params_of(self, state: TrainState) -> Any:
         """The model's parameters from a training state: block-aligned padding sliced off."""
         self._need_layout()
-        return unpad(state.params, self.layout.params)
+        params = unpad(state.params, self.layout.params)
+        return params if self.pipeline is None else self.pipeline.unstack(params)
 
     def batch_shardings(self, batch: Any) -> Any:
         return self.plan.batch_shardings(batch, self.mesh)
@@ -248,9 +283,23 @@ def train_step(
     mesh: Mesh,
     *,
     donate: bool = True,
+    staged: StagedModel | None = None,
 ) -> TrainStep:
-    """Builds a :class:`TrainStep` (see there for an example)."""
-    return TrainStep(loss_fn, optimizer, plan, mesh, donate=donate)
+    """Builds a :class:`TrainStep` (see there for an example); a pipeline plan needs ``staged``."""
+    return TrainStep(loss_fn, optimizer, plan, mesh, donate=donate, staged=staged)
+
+
+def _layers(annotated_params: Any, staged: StagedModel) -> int:
+    """The number of stacked layers: the leading dimension of the arrays under ``staged.layers_key``."""
+    try:
+        sub = functools.reduce(lambda tree, k: tree[k], staged.layers_key, annotated_params)
+    except (KeyError, TypeError):
+        raise PlanError(f"pipeline: no stacked layers at {'/'.join(staged.layers_key)} in the parameters") from None
+    leaves, _ = leaves_with_paths(sub)
+    sizes = {leaf.shape[0] if leaf.shape else 0 for leaf in leaves}
+    if len(sizes) != 1 or 0 in sizes:
+        raise PlanError(f"pipeline: the arrays at {'/'.join(staged.layers_key)} must share a leading layer dimension")
+    return sizes.pop()
 
 
 def _rows_tree(layout: Layout) -> Any:

@@ -49,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
             "--axis-bandwidth", help="per-axis link bandwidth in GB/s per device, e.g. tensor=450,tensor2=50"
         )
         p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
+        pipeline_flags(p)
+
+    def pipeline_flags(p: argparse.ArgumentParser, *, table: bool = False) -> None:
+        schedules = "gpipe, 1f1b, interleaved, bfs, zb-h1, zb-h2"
+        p.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {schedules}, or a .json/.csv table")
+        p.add_argument("--microbatches", type=int, help="microbatches per step (pp; default twice the stages)")
+        p.add_argument("--virtual", type=int, default=1, help="chunks per device (interleaved, bfs)")
+        if table:
+            return
+        p.add_argument("--layers-per-stage", help="layers of each global stage, e.g. 3,3,1,1 (default even)")
 
     plan = sub.add_parser("plan", help="show how a plan lays out a model, and what the compiler makes of it")
     common(plan)
@@ -66,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     suggest.add_argument("--confirm", type=int, default=3, help="compile this many of the best plans that fit")
     suggest.add_argument("--max-tensor", type=int, default=8, help="largest tensor-parallel axis to try")
     suggest.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
+    schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: Gantt chart, bubble, memory")
+    pipeline_flags(schedule, table=True)
+    schedule.add_argument("--stages", type=int, default=4, help="pipeline devices (p)")
+    schedule.add_argument("--costs", help="op times F,B,W[,comm] of a whole stage (default 1,1,1,0)")
+    schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the chart")
+    schedule.add_argument("--plot", help="write a Gantt chart PNG to this file")
     demo = sub.add_parser("demo", help="the main job: gpt-tiny on data=2 × fsdp=2 × tensor=2, checked")
     common(demo, demo=True)
     demo.add_argument("--steps", type=int, default=DEMO["steps"])
@@ -77,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         _check_args(args)
+        if args.command == "schedule":  # a simulation: no devices
+            from spmd import _cli_schedule
+
+            return _cli_schedule.schedule(args)
         _start_devices(args.devices)
         if args.command in ("compare", "suggest"):
             from spmd import _cli_compare
@@ -98,10 +118,20 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top"):
+    positive = ("steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top")
+    for name in (*positive, "microbatches", "virtual", "stages"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "layers_per_stage", None) is not None:
+        try:
+            args.layers_per_stage = tuple(int(x) for x in args.layers_per_stage.split(","))
+        except ValueError:
+            raise UsageError(
+                f"--layers-per-stage {args.layers_per_stage!r}: give one count per global stage, e.g. 3,3,1,1"
+            ) from None
+    if args.command == "schedule":
+        return
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if getattr(args, "memory_per_device", None) is not None:
@@ -183,12 +213,33 @@ def _setup(
         context = strategies.Context(
             params, _workload(model, args), _hardware(args), _optimizer(args), getattr(args, "memory_per_device", None)
         )
-    plan = strategies.from_names(strategy, dict(mesh.shape), context=context)
+    options = (
+        strategies.PipelineOptions(_schedule_arg(args.schedule), args.microbatches, args.virtual, args.layers_per_stage)
+        if hasattr(args, "schedule")
+        else None
+    )
+    plan = strategies.from_names(strategy, dict(mesh.shape), context=context, pipeline_options=options)
+    if plan.pipeline and model.staged is None:
+        raise UsageError(
+            f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
+            f"the built-in linen GPTs gpt-tiny and gpt-small have one)"
+        )
     if getattr(args, "block", None):
         plan = plan.with_block(args.block)
     if plan.remat and model_name in models.BUILTIN:  # user factories need not know the option
         model = models.get(model_name, **overrides, remat=True)
     return model, mesh, plan
+
+
+def _schedule_arg(value: str) -> Any:
+    """A schedule name, or a table loaded from a .json/.csv file."""
+    if value.endswith((".json", ".csv")):
+        from spmd._schedule import Schedule
+
+        if not os.path.exists(value):
+            raise UsageError(f"--schedule {value!r}: no such file")
+        return Schedule.load(value)
+    return value
 
 
 def _workload(model: Any, args: argparse.Namespace) -> Any:
@@ -225,7 +276,8 @@ def _trainer(model: Any, plan: Any, mesh: Any, args: argparse.Namespace) -> Any:
     import spmd
     from spmd import models
 
-    return spmd.train_step(models.loss_fn(model), _optimizer(args), plan, mesh)
+    staged = model.staged if plan.pipeline else None
+    return spmd.train_step(models.loss_fn(model), _optimizer(args), plan, mesh, staged=staged)
 
 
 def _batch(model: Any, seed: int, step: int, batch_size: int) -> dict[str, Any]:

@@ -47,7 +47,9 @@ __all__ = [
     "hardware",
     "matmuls",
     "model_state_bytes",
+    "merge_traffic",
     "padding_bytes",
+    "pipeline_traffic",
     "step_time",
     "traffic",
 ]
@@ -121,7 +123,7 @@ class _Totals:
         n = math.prod(self.sizes[a] for a in axes)
         if n <= 1 or buffer <= 0:
             return
-        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        factor = 2 * (n - 1) / n if kind == "all-reduce" else 1.0 if kind == "collective-permute" else (n - 1) / n
         key = (kind, tuple(a for a in self.sizes if a in axes))
         acc = self.acc.setdefault(key, [0.0, 0.0, 0])
         acc[0] += buffer
@@ -155,9 +157,19 @@ def _dim_axes(row: LeafLayout, dims: Iterable[int]) -> set[str]:
     return out
 
 
+# Leading dimensions that stack layers: ``layers`` (a scan), and a pipeline's ``[stage, chunk, layers]``, whose
+# ``stage`` dimension is split over the pipeline axis (one entry per device).
+STACKING = ("stage", "chunk", "layers")
+
+
 def _stacked(row: LeafLayout) -> int:
-    """How many layers a scanned parameter stacks (its leading ``layers`` dimension), else 1."""
-    return row.shape[0] if row.names and row.names[0] == "layers" else 1
+    """How many layers of a stacked parameter one device runs (its leading stacking dimensions), else 1."""
+    depth = 1
+    for name, size in zip(row.names or (), row.shape, strict=False):
+        if name not in STACKING:
+            break
+        depth *= 1 if name == "stage" else size
+    return depth
 
 
 def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]) -> list[Traffic]:
@@ -219,6 +231,23 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
     return totals.result()
 
 
+def pipeline_traffic(
+    ticks: int, message_bytes: float, outer_bytes: float, axis: str, mesh_shape: Mapping[str, int]
+) -> list[Traffic]:
+    """A pipeline's own exchanges per step: every tick each device sends one stage input forward and one input
+    gradient back (two collective-permutes over ``axis`` of ``message_bytes`` each), and the gradients of the
+    parameters outside the stacked layers (``outer_bytes``: embeddings, head; used on the first and last stage)
+    are summed over the stages once.
+
+    >>> [(t.kind, t.count, t.traffic_bytes) for t in pipeline_traffic(10, 100, 0, "stage", {"stage": 4})]
+    [('collective-permute', 20, 2000.0)]
+    """
+    totals = _Totals(mesh_shape)
+    totals.add("collective-permute", (axis,), 2 * ticks * message_bytes, 2 * ticks)
+    totals.add("all-reduce", (axis,), outer_bytes)
+    return totals.result()
+
+
 # ------------------------------------------------------------------------------------------------- matmuls
 @dataclasses.dataclass(frozen=True)
 class Matmul:
@@ -264,9 +293,9 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
     for row in rows:
         names = list(row.names) if row.names else [None] * len(row.shape)
         dims = list(range(len(row.shape)))
-        layers = 1
-        if names and names[0] == "layers":
-            layers, dims = row.shape[0], dims[1:]
+        layers = _stacked(row)
+        while dims and names[dims[0]] in STACKING:
+            dims = dims[1:]
         experts = 0
         if dims and names[dims[0]] == "expert":
             experts, dims = row.shape[dims[0]], dims[1:]
@@ -364,6 +393,11 @@ def traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], workload: Wo
     parts = data_parallel_traffic(layout, plan, mesh_shape)
     if workload is not None:
         parts += activation_traffic(layout, plan, mesh_shape, workload)
+    return merge_traffic(parts)
+
+
+def merge_traffic(parts: Iterable[Traffic]) -> list[Traffic]:
+    """One entry per (kind, axes), largest first."""
     merged: dict[tuple[str, tuple[str, ...]], Traffic] = {}
     for t in parts:
         old = merged.get((t.kind, t.axes))

@@ -2,7 +2,8 @@
 
 ``REGISTRY`` maps the names the CLI's ``--strategy`` joins with ``+`` to factories. ``CHOSEN`` holds the
 strategies the cost model chooses for a given model and hardware (``tp2d``'s axis roles, ``osdp``'s per-parameter
-choice): they need a :class:`Context` and are applied last, on top of the rest of the composition.
+choice): they need a :class:`Context` and are applied last, on top of the rest of the composition. ``pp`` (pipeline
+parallelism over the ``stage`` axis) needs the mesh, for its number of stages, and :class:`PipelineOptions`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from strategies.data_parallel import data_parallel
 from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
 from strategies.osdp import osdp
+from strategies.pipeline import SCHEDULES, pipeline, pipeline_schedule
 from strategies.tensor import choose_tensor_2d, sequence_parallel, tensor_parallel, tensor_parallel_2d
 from strategies.zero import hsdp, zero1, zero2, zero3
 
@@ -30,6 +32,10 @@ __all__ = [
     "fsdp",
     "hsdp",
     "osdp",
+    "PipelineOptions",
+    "SCHEDULES",
+    "pipeline",
+    "pipeline_schedule",
     "sequence_parallel",
     "tensor_parallel",
     "tensor_parallel_2d",
@@ -77,6 +83,19 @@ def _osdp(base: Plan, mesh_axes: Mapping[str, int], ctx: Context) -> Plan:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How ``pp`` pipelines: the schedule's name (see :data:`SCHEDULES`) or a table, the number of
+    microbatches (default: twice the stages), chunks per device, and layers per global stage (default even)."""
+
+    schedule: Any = "1f1b"
+    microbatches: int | None = None
+    virtual: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+
+
+PIPELINE_AXIS = "stage"
+
 CHOSEN: dict[str, Callable[[Plan, Mapping[str, int], Context], Plan]] = {
     "tp2d": lambda base, mesh_axes, ctx: choose_tensor_2d(
         ctx.params, mesh_axes, ctx.workload, ctx.hardware, base=base, optimizer=ctx.optimizer
@@ -85,19 +104,27 @@ CHOSEN: dict[str, Callable[[Plan, Mapping[str, int], Context], Plan]] = {
 }
 
 
-def from_names(spec: str, mesh_axes: Mapping[str, int] | None = None, *, context: Context | None = None) -> Plan:
+def from_names(
+    spec: str,
+    mesh_axes: Mapping[str, int] | None = None,
+    *,
+    context: Context | None = None,
+    pipeline_options: PipelineOptions | None = None,
+) -> Plan:
     """Composes registry strategies named like ``"dp+fsdp+tp"`` into one plan; names in :data:`CHOSEN` are
-    applied last and need ``mesh_axes`` and a ``context``.
+    applied last and need ``mesh_axes`` and a ``context``; ``pp`` needs ``mesh_axes`` (its ``stage`` axis).
 
     >>> from_names("dp+tp").batch_axes
     ('data',)
+    >>> from_names("pp+dp", {"stage": 4, "data": 2}, pipeline_options=PipelineOptions("zb-h1", 8)).pipeline.describe()
+    'pipeline zb-h1 over stage (4 stages, 8 microbatches)'
     """
     names = [n.strip() for n in spec.split("+")]
-    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN]
+    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN and n != "pp"]
     if unknown or not names:
         raise ValueError(
             f"--strategy {spec!r}: unknown strategy {unknown[0] if unknown else ''!r}; "
-            f"choose from {', '.join([*REGISTRY, *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
+            f"choose from {', '.join([*REGISTRY, 'pp', *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"--strategy {spec!r}: a strategy appears twice; name each once")
@@ -105,6 +132,8 @@ def from_names(spec: str, mesh_axes: Mapping[str, int] | None = None, *, context
     for name in names:
         if name in REGISTRY:
             plan = plan + REGISTRY[name]()
+    if "pp" in names:
+        plan = plan + _pipeline(mesh_axes, pipeline_options or PipelineOptions())
     chosen = [n for n in names if n in CHOSEN]
     if chosen and (context is None or mesh_axes is None):
         raise ValueError(
@@ -116,3 +145,21 @@ def from_names(spec: str, mesh_axes: Mapping[str, int] | None = None, *, context
     if mesh_axes is not None:
         plan.check_mesh(mesh_axes)
     return plan
+
+
+def _pipeline(mesh_axes: Mapping[str, int] | None, options: PipelineOptions) -> Plan:
+    if mesh_axes is None or PIPELINE_AXIS not in mesh_axes:
+        shown = ",".join(f"{k}={v}" for k, v in (mesh_axes or {}).items()) or "none given"
+        raise ValueError(
+            f"strategy pp puts pipeline stages on mesh axis {PIPELINE_AXIS!r}, but the mesh has only {shown}; "
+            f"add it (e.g. --mesh stage=4,data=2)"
+        )
+    stages = mesh_axes[PIPELINE_AXIS]
+    return pipeline(
+        options.schedule,
+        stages=stages,
+        microbatches=options.microbatches or 2 * stages,
+        virtual=options.virtual,
+        axis=PIPELINE_AXIS,
+        layers_per_stage=options.layers_per_stage,
+    )

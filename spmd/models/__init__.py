@@ -60,10 +60,11 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
+from spmd._pipeline import StagedModel
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
 
-__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "unbox"]
+__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "next_token_loss", "unbox"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Model:
         config: sizes; for user modules only ``vocab`` and ``seq_len`` are meaningful.
         init: rng key -> annotated params tree (see the module docstring); pure and ``eval_shape``-able.
         apply: (params, tokens) -> logits; params unboxed (boxed also accepted).
+        staged: the model cut for pipeline parallelism (embeddings, one stacked layer, head and loss), for
+            models that have one (the built-in linen GPTs); None otherwise.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Model:
     config: LMConfig
     init: Callable[[jax.Array], Any]
     apply: Callable[[Any, jax.Array], jax.Array]
+    staged: StagedModel | None = None
 
 
 def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]:
@@ -101,14 +105,17 @@ def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]
     """
 
     def loss(params: Any, batch: Mapping[str, jax.Array]) -> jax.Array:
-        tokens = batch["tokens"]
-        logits = model.apply(params, tokens)
-        # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
-        # prediction, which has no target.
-        logits = logits[:, :-1].astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return next_token_loss(model.apply(params, batch["tokens"]), batch["tokens"])
 
     return loss
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits[:, t]`` against ``tokens[:, t + 1]``, in float32."""
+    # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
+    # prediction, which has no target.
+    logits = logits[:, :-1].astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def _example_tokens(config: LMConfig) -> jax.Array:
@@ -281,6 +288,19 @@ def _gpt(config: LMConfig) -> nn.Module:
     return GPT(config)
 
 
+def _gpt_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
+    linen = _linen_factory(name, defaults, _gpt)
+
+    def factory(**overrides: Any) -> Model:
+        from spmd.models import gpt
+
+        model = linen(**overrides)
+        return dataclasses.replace(model, staged=gpt.staged(model.config, next_token_loss))
+
+    factory.__doc__ = linen.__doc__
+    return factory
+
+
 def _mlp(config: LMConfig) -> nn.Module:
     from spmd.models.mlp import MlpLM
 
@@ -289,9 +309,9 @@ def _mlp(config: LMConfig) -> nn.Module:
 
 BUILTIN: dict[str, Callable[..., Model]] = {
     "mlp": _linen_factory("mlp", TINY, _mlp),
-    "gpt-tiny": _linen_factory("gpt-tiny", TINY, _gpt),
+    "gpt-tiny": _gpt_factory("gpt-tiny", TINY),
     "gpt-tiny-nnx": _nnx_factory("gpt-tiny-nnx", TINY),
-    "gpt-small": _linen_factory("gpt-small", SMALL, _gpt),
+    "gpt-small": _gpt_factory("gpt-small", SMALL),
     "gpt-small-nnx": _nnx_factory("gpt-small-nnx", SMALL),
     "moe-tiny": _linen_factory("moe-tiny", TINY, lambda c: importlib.import_module("spmd.models.moe").MoeGPT(c)),
 }

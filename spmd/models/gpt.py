@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from spmd._context import constrain
+from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 
-__all__ = ["GPT", "causal_attention", "EMBED_INIT", "DENSE_INIT"]
+__all__ = ["GPT", "causal_attention", "staged", "EMBED_INIT", "DENSE_INIT"]
 
 # Logical names of activations at block boundaries (see spmd._context.constrain).
 RESIDUAL = ("batch", "seq", "embed")
@@ -85,6 +87,33 @@ def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
     )
 
 
+class Projection(nn.Module):
+    """A bias-free projection contracting the trailing ``len(in_names)`` dimensions into ``features``.
+
+    Equal to ``nn.DenseGeneral`` (same parameter, same initial values: ``DENSE_INIT`` on the flattened kernel),
+    but its kernel initialiser is boxed for the whole kernel: DenseGeneral unboxes its flattened kernel inside its
+    initialiser, which under a context mesh (inside ``shard_map``, as in a pipeline stage) applies the
+    annotation's rank-3 constraint to a rank-2 value."""
+
+    features: tuple[int, ...]
+    names: tuple[str, ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.names) - len(self.features)
+        in_shape = x.shape[x.ndim - n_in :]
+
+        def init(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+            flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+            return DENSE_INIT(rng, flat, dtype).reshape(shape)
+
+        kernel = self.param("kernel", _named(init, self.names), (*in_shape, *self.features), jnp.float32)
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with ``query``/``key``/``value``/``out`` projections, no biases."""
 
@@ -95,27 +124,12 @@ class CausalSelfAttention(nn.Module):
         c = self.config
 
         def project(name: str) -> jax.Array:
-            dense = nn.DenseGeneral(
-                features=(c.heads, c.head_dim),
-                use_bias=False,
-                dtype=c.dtype,
-                param_dtype=jnp.float32,
-                kernel_init=_named(DENSE_INIT, ("embed", "heads", "head_dim")),
-                name=name,
-            )
+            dense = Projection((c.heads, c.head_dim), ("embed", "heads", "head_dim"), c.dtype, name=name)
             return constrain(dense(x), HEADS)
 
         q, k, v = project("query"), project("key"), project("value")
         y = constrain(causal_attention(q, k, v), HEADS)
-        return nn.DenseGeneral(
-            features=c.d_model,
-            axis=(-2, -1),
-            use_bias=False,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("heads", "head_dim", "embed")),
-            name="out",
-        )(y)
+        return Projection((c.d_model,), ("heads", "head_dim", "embed"), c.dtype, name="out")(y)
 
 
 class Mlp(nn.Module):
@@ -158,6 +172,48 @@ class Block(nn.Module):
         return x, None
 
 
+def _token_embed(c: LMConfig, name: str = "embed") -> nn.Embed:
+    return nn.Embed(
+        c.vocab,
+        c.d_model,
+        dtype=c.dtype,
+        param_dtype=jnp.float32,
+        embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+        name=name,
+    )
+
+
+def _position_embed(c: LMConfig, name: str = "pos_embed") -> nn.Embed:
+    return nn.Embed(
+        c.seq_len,
+        c.d_model,
+        dtype=c.dtype,
+        param_dtype=jnp.float32,
+        embedding_init=_named(EMBED_INIT, ("position", "embed")),
+        name=name,
+    )
+
+
+def _lm_head(c: LMConfig, name: str = "lm_head") -> nn.Module:
+    # With remat the head is recomputed in the backward pass too, so FSDP re-gathers its kernel there instead
+    # of keeping the full vocab × embed matrix alive across the whole step.
+    head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
+    return head(
+        c.vocab,
+        use_bias=False,
+        dtype=c.dtype,
+        param_dtype=jnp.float32,
+        kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+        name=name,
+    )
+
+
+def _check_length(c: LMConfig, seq: int) -> None:
+    if seq > c.seq_len:
+        # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
+        raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
+
+
 class GPT(nn.Module):
     """int32 tokens ``[batch, seq]`` (``seq <= config.seq_len``) -> logits ``[batch, seq, vocab]``."""
 
@@ -167,25 +223,9 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         seq = tokens.shape[-1]
-        if seq > c.seq_len:
-            # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
-            raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
-        x = nn.Embed(
-            c.vocab,
-            c.d_model,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
-            name="embed",
-        )(tokens)
-        positions = nn.Embed(
-            c.seq_len,
-            c.d_model,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("position", "embed")),
-            name="pos_embed",
-        )(jnp.arange(seq))
+        _check_length(c, seq)
+        x = _token_embed(c)(tokens)
+        positions = _position_embed(c)(jnp.arange(seq))
         x = constrain(x + positions[None], RESIDUAL)
 
         block = Block
@@ -203,15 +243,27 @@ class GPT(nn.Module):
         x, _ = stack(c, name="layers")(x)
 
         x = _layer_norm(c, "ln_f")(x)
-        # With remat the head is recomputed in the backward pass too, so FSDP re-gathers its kernel there instead
-        # of keeping the full vocab × embed matrix alive across the whole step.
-        head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
-        logits = head(
-            c.vocab,
-            use_bias=False,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
-            name="lm_head",
-        )(x)
-        return constrain(logits, LOGITS)
+        return constrain(_lm_head(c)(x), LOGITS)
+
+
+def staged(c: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) -> StagedModel:
+    """The GPT cut for pipelining: embeddings, one :class:`Block`, and the final norm, head and ``loss``
+    (``loss(logits, tokens)``), each applied to its own part of the GPT's (unboxed) parameters."""
+
+    def embed(params: Any, batch: Any) -> jax.Array:
+        p, tokens = params["params"], batch["tokens"]
+        _check_length(c, tokens.shape[-1])
+        x = _token_embed(c).apply({"params": p["embed"]}, tokens)
+        positions = _position_embed(c).apply({"params": p["pos_embed"]}, jnp.arange(tokens.shape[-1]))
+        return constrain(x + positions[None], RESIDUAL)
+
+    def layer(layer_params: Any, x: jax.Array) -> jax.Array:
+        return Block(c).apply({"params": layer_params}, x)[0]
+
+    def head_loss(params: Any, x: jax.Array, batch: Any) -> jax.Array:
+        p = params["params"]
+        x = _layer_norm(c, "ln_f").apply({"params": p["ln_f"]}, x)
+        logits = constrain(_lm_head(c).apply({"params": p["lm_head"]}, x), LOGITS)
+        return loss(logits, batch["tokens"])
+
+    return StagedModel(embed=embed, layer=layer, loss=head_loss, activation_names=RESIDUAL)

@@ -1,0 +1,49 @@
+"""``spmd schedule``: simulate a pipeline schedule and show it (text Gantt chart, JSON, PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from spmd._gantt import gantt_text, plot_gantt
+from spmd._schedule import Costs, simulate
+
+
+def schedule(args: argparse.Namespace) -> int:
+    import strategies
+    from spmd import cli
+
+    table = cli._schedule_arg(args.schedule)
+    if isinstance(table, str):
+        table = strategies.pipeline_schedule(
+            table, stages=args.stages, microbatches=args.microbatches or 2 * args.stages, virtual=args.virtual
+        )
+    else:
+        strategies.pipeline(table, stages=table.stages, microbatches=table.microbatches)  # validates the table
+    timeline = simulate(table, Costs.parse(args.costs) if args.costs else Costs())
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ax = plot_gantt(timeline)
+        ax.figure.tight_layout()
+        ax.figure.savefig(args.plot, dpi=120)
+        plt.close(ax.figure)
+    if args.json:
+        print(json.dumps(timeline.to_dict()))
+        return 0
+    console = cli._console()
+    s = timeline.schedule
+    console.print(
+        f"[bold]{s.name}[/]: {s.stages} stages, {s.microbatches} microbatches, {s.virtual} chunk(s) per device"
+    )
+    console.print(gantt_text(timeline), highlight=False, soft_wrap=True)
+    busy = " ".join(f"{float(b):g}" for b in timeline.busy)
+    console.print(
+        f"makespan {float(timeline.makespan):g}, bubble fraction {float(timeline.bubble_fraction):.4f} "
+        f"({timeline.bubble_fraction}); busy per device {busy}; peak in flight {list(timeline.peak_inflight)}, "
+        f"held until W {list(timeline.peak_held)}"
+    )
+    return 0

@@ -1,0 +1,216 @@
+"""The pipeline executor: every schedule trains exactly like the unpipelined model, on two mesh shapes; the
+ticks it executes are the simulator's; uneven stages; the report; the CLI; mistakes."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmd
+import strategies
+from spmd import data, models
+from spmd._pipeline import IDLE, Placement, tick_program
+from spmd._schedule import Costs, ScheduleError, simulate
+from spmd.cli import main
+from tests.conftest import assert_trees_close
+
+STEPS, BATCH, LAYERS = 2, 16, 8
+MESHES = {
+    "stage4xdata2": ({"stage": 4, "data": 2}, "dp", 8),
+    "stage2xfsdp2xtensor2": ({"stage": 2, "fsdp": 2, "tensor": 2}, "fsdp+tp", 4),
+}
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bfs", 2), ("zb-h1", 1), ("zb-h2", 1)]
+CASES = [
+    pytest.param(mesh, name, v, marks=() if mesh == "stage4xdata2" else (pytest.mark.slow,), id=f"{mesh}-{name}")
+    for mesh in MESHES
+    for name, v in SCHEDULES
+]
+
+
+def _train(plan, mesh):
+    model = models.get("gpt-tiny", layers=LAYERS, remat=plan.remat)
+    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, staged=model.staged)
+    state = step.init(model.init, jax.random.key(0))
+    losses = []
+    for i in range(STEPS):
+        state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
+        losses.append(float(loss))
+    return np.array(losses), state, step
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, state, step = _train(spmd.Plan(), spmd.make_mesh({"data": 1}, devices=jax.devices()[:1]))
+    return losses, step.params_of(state)
+
+
+def _pipeline_plan(mesh, name, virtual, counts=None):
+    mesh_axes, others, m = MESHES[mesh]
+    options = strategies.PipelineOptions(name, m, virtual, counts)
+    return strategies.from_names(f"pp+{others}", mesh_axes, pipeline_options=options), mesh_axes
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One training run per (mesh, schedule), shared by the tests that look at it."""
+    cache = {}
+
+    def get(mesh, name, virtual, counts=None):
+        key = (mesh, name, virtual, counts)
+        if key not in cache:
+            plan, mesh_axes = _pipeline_plan(mesh, name, virtual, counts)
+            cache[key] = _train(plan, spmd.make_mesh(mesh_axes))
+        return cache[key]
+
+    return get
+
+
+def _assert_matches(run, reference):
+    losses, state, step = run
+    ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(step.params_of(state), ref_params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh,name,virtual", CASES)
+def test_pipelined_training_equals_the_unpipelined_model(runs, reference, mesh, name, virtual):
+    run = runs(mesh, name, virtual)
+    _assert_matches(run, reference)
+    _, state, step = run
+    # The stacked layers live [stage, chunk, layer, ...], split over the stages (and fsdp/tensor where planned).
+    kernel = state.params["params"]["layers"]["mlp"]["wi"]["kernel"]
+    p = MESHES[mesh][0]["stage"]
+    assert kernel.shape[:3] == (p, virtual, LAYERS // (p * virtual))
+    axes = {a for e in kernel.sharding.spec if e for a in ((e,) if isinstance(e, str) else e)}
+    assert kernel.sharding.spec[0] == "stage"
+    assert axes == ({"stage", "fsdp", "tensor"} if "fsdp" in mesh else {"stage"})
+
+
+@pytest.mark.parametrize(
+    "mesh,name,virtual",
+    [("stage4xdata2", "zb-h1", 1), pytest.param("stage2xfsdp2xtensor2", "interleaved", 2, marks=pytest.mark.slow)],
+)
+def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
+    _, state, step = runs(mesh, name, virtual)
+    batch = data.batch(0, 0, BATCH, 32, 256)
+    executed = step.pipeline.executed(state.params, batch, data_axes=step.data_axes)
+    schedule = step.plan.pipeline.schedule
+    ticks = simulate(schedule, Costs(F=virtual, B=virtual, W=virtual, BW=virtual)).ticks()
+    codes = {"F": 1, "B": 2, "W": 3, "BW": 4}
+    expected = np.array([[IDLE if a is None else codes[a.kind] for a in row] for row in ticks])
+    np.testing.assert_array_equal(executed, expected)
+    assert step.pipeline.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
+
+
+def test_uneven_stages_train_like_the_unpipelined_model(runs, reference):
+    run = runs("stage4xdata2", "1f1b", 1, (3, 3, 1, 1))
+    _assert_matches(run, reference)
+    _, state, step = run
+    kernel = state.params["params"]["layers"]["mlp"]["wi"]["kernel"]
+    assert kernel.shape[:3] == (4, 1, 3)  # padded to the longest stage; the padding never changes
+    np.testing.assert_array_equal(np.asarray(kernel)[2:, 0, 1:], 0)
+    assert step.pipeline.placement.branches == (1, 3)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("zb-h2", 4, 8, 1), ("bfs", 3, 4, 2)])
+def test_input_slots_are_never_overwritten_while_needed(name, p, m, v):
+    schedule = strategies.pipeline_schedule(name, stages=p, microbatches=m, virtual=v)
+    program = tick_program(schedule, Placement(schedule, (1,) * (p * v)))
+    t_ = program.table
+    last = p * v - 1
+    held = [{} for _ in range(p)]  # per device: slot -> (microbatch, chunk) whose input or gradient it holds
+    for t in range(program.ticks):
+        for d in range(p):
+            kind, mb, chunk, slot, first, is_last, _, _, _ = t_[t, d]
+            needs_slot = kind in (2, 3, 4) and not (first and is_last) or (kind == 1 and not first)
+            if needs_slot:
+                assert held[d].get(slot) == (mb, chunk), (t, d, slot, held[d])
+            if kind in (3, 4):  # after its W (or BW) the slot is free
+                del held[d][slot]
+        for d in range(p):  # messages sent this tick, stored at its end
+            kind, mb, chunk, *_ = t_[t, d]
+            stage = chunk * p + d
+            if kind == 1 and stage < last:
+                to, got = (d + 1) % p, ((stage + 1) // p)
+                slot = t_[t, to, 7]
+                assert slot >= 0 and held[to].get(slot, (mb, got)) == (mb, got), (t, to, slot)
+                held[to][slot] = (mb, got)
+            if kind in (2, 4) and stage > 0:
+                to, got = (d - 1) % p, ((stage - 1) // p)
+                slot = t_[t, to, 8]
+                assert slot >= 0 and held[to].get(slot, (mb, got)) == (mb, got), (t, to, slot)
+                held[to][slot] = (mb, got)
+    assert all(not h for h in held)
+    # A slot is taken when the input arrives, before its F starts: at most one more than the simulator's count.
+    peak = max(simulate(schedule).peak_held)
+    assert peak <= program.slots <= peak + 1, (program.slots, peak)
+
+
+def test_report_counts_the_pipeline_exchanges(runs):
+    _, _, step = runs("stage4xdata2", "zb-h1", 1)
+    report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
+    comm = report.comm_bytes_per_step
+    assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.01), report.collectives
+    kinds = {(c.kind, c.axes): c for c in report.collectives}
+    ticks = report.pipeline["ticks"]
+    assert kinds["collective-permute", ("stage",)].count == 2 * ticks
+    # Data parallelism inside the pipeline reduces the stage's gradients once per step, not once per W.
+    assert kinds["all-reduce", ("data",)].count == 1
+    assert report.pipeline["bubble_fraction"] == pytest.approx(3 / 27) and report.pipeline["slots"] >= 4
+    assert "pipeline: zb-h1 on 4 stages" in str(report)
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_run_pipelined_check(capsys):
+    code, out, _ = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--schedule",
+        "zb-h1", "--microbatches", "8", "--batch-size", "32", "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    j = json.loads(out)
+    assert code == 0 and len(j["losses"]) == 2 and j["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--mesh", "data=8", "--strategy", "pp+dp"], r"strategy pp puts pipeline stages on mesh axis 'stage'"),
+        (["--mesh", "stage=4,data=2", "--strategy", "pp", "--model", "mlp"], r"model 'mlp' cannot be pipelined"),
+        (["--mesh", "stage=4,data=2", "--strategy", "pp", "--layers", "6"], r"6 layers do not split evenly over 4"),
+        (
+            ["--mesh", "stage=4,data=2", "--strategy", "pp", "--layers-per-stage", "3,3,1"],
+            r"layers per stage \[3, 3, 1\] must be 4 non-negative counts summing to the model's 8 layers",
+        ),
+        (
+            ["--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--microbatches", "8", "--batch-size", "12"],
+            r"batch of 12 rows cannot be split into 8 microbatches",
+        ),
+        (["--mesh", "stage=4,data=2", "--strategy", "pp", "--virtual", "2"], r"for --virtual 2 use interleaved or bfs"),
+        (["--mesh", "stage=4,data=2", "--strategy", "pp", "--layers-per-stage", "a"], r"give one count per global"),
+    ],
+)
+def test_cli_pipeline_mistakes(capsys, args, message):
+    import re
+
+    code, _, err = run_cli(capsys, "plan", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_api_mistakes():
+    model = models.get("gpt-tiny")
+    plan = strategies.pipeline("1f1b", stages=4, microbatches=4)
+    with pytest.raises(spmd.PlanError, match="pass staged=model.staged"):
+        spmd.train_step(models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh({"stage": 4, "data": 2}))
+    step = spmd.train_step(
+        models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh({"stage": 2, "data": 4}), staged=model.staged
+    )
+    with pytest.raises(ScheduleError, match="schedule 1f1b is for 4 stages but mesh axis 'stage' has 2 devices"):
+        step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    with pytest.raises(spmd.PlanError, match="two pipeline parts"):
+        plan + strategies.pipeline("gpipe", stages=4, microbatches=4)

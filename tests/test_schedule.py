@@ -1,0 +1,187 @@
+"""Pipeline schedules as data: generators against the papers' closed forms, the validator's errors, the
+simulator's timing, files, and the ``spmd schedule`` command."""
+
+import json
+from fractions import Fraction
+
+import pytest
+
+import strategies
+from spmd._gantt import gantt_text
+from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate, validate
+from spmd.cli import main
+
+
+def bubble(name, p, m, v=1):
+    return simulate(strategies.pipeline_schedule(name, stages=p, microbatches=m, virtual=v))
+
+
+SIZES = [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 12), (5, 7), (8, 8), (8, 16)]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_and_1f1b_bubble_and_peak_in_flight(p, m):
+    for name, peak in (("gpipe", m), ("1f1b", min(p, m))):
+        t = bubble(name, p, m)
+        assert t.bubble_fraction == Fraction(p - 1, m + p - 1), name
+        assert t.peak_inflight[0] == peak and max(t.peak_inflight) == peak, (name, t.peak_inflight)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 3), (4, 12, 4), (3, 9, 2), (8, 16, 2)])
+def test_interleaved_and_breadth_first_bubble(p, m, v):
+    want = Fraction(p - 1, v * m + p - 1)
+    assert bubble("interleaved", p, m, v).bubble_fraction == want
+    assert bubble("bfs", p, m, v).bubble_fraction == want  # breadth-first matches it once m >= p
+    # Breadth-first keeps every microbatch of a chunk in flight; interleaved 1F1B far fewer.
+    assert max(bubble("bfs", p, m, v).peak_inflight) == m * v
+    assert max(bubble("interleaved", p, m, v).peak_inflight) < m * v
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 5), (4, 4), (4, 8), (5, 9), (8, 8), (8, 20)])
+def test_zero_bubble_h1(p, m):
+    t = bubble("zb-h1", p, m)
+    assert t.bubble_fraction == Fraction(p - 1, 3 * m + p - 1)
+    # Idle (p−1)(T_F + T_B − T_W) on the first device, at 1F1B's memory.
+    assert t.idle[0] == p - 1
+    assert t.peak_inflight == bubble("1f1b", p, m).peak_inflight and max(t.peak_held) == p
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (3, 5), (4, 7), (4, 8), (5, 12), (8, 15), (8, 24)])
+def test_zero_bubble_h2(p, m):
+    t = bubble("zb-h2", p, m)
+    assert t.bubble_fraction == 0
+    assert max(t.peak_inflight) <= 2 * p - 1 and max(t.peak_held) == 2 * p - 1
+    # With too few microbatches to fill the warm-up, a bubble remains.
+    assert bubble("zb-h2", p, 2 * p - 2).bubble_fraction > 0
+
+
+def test_costs_scale_the_bubble_and_comm_delays_the_neighbours():
+    # GPipe with fused backward: the bubble is (p−1)/(m+p−1) whatever the F:BW ratio.
+    assert (
+        bubble("gpipe", 4, 8).bubble_fraction
+        == simulate(
+            strategies.pipeline_schedule("gpipe", stages=4, microbatches=8), Costs(F=1, B=2, W=3)
+        ).bubble_fraction
+    )
+    # 2 stages, 1 microbatch, comm c: F [0,1]; F' [1+c, 2+c]; BW' [2+c, 4+c]; BW [4+2c, 6+2c].
+    t = simulate(strategies.pipeline_schedule("1f1b", stages=2, microbatches=1), Costs(comm=0.5))
+    assert t.makespan == 7 and t.starts[1] == (Fraction(3, 2), Fraction(5, 2))
+    # ZB-H1's idle is (p−1)(T_F + T_B − T_W) for other costs too.
+    t = simulate(strategies.pipeline_schedule("zb-h1", stages=4, microbatches=8), Costs(F=2, B=2, W=1))
+    assert t.idle[0] == 3 * (2 + 2 - 1)
+    # A chunk's op costs 1/v of a stage's.
+    t = bubble("interleaved", 2, 2, 2)
+    assert {
+        e - s for row_s, row_e in zip(t.starts, t.ends, strict=True) for s, e in zip(row_s, row_e, strict=True)
+    } == {
+        Fraction(1, 2),
+        Fraction(1),
+    }
+    with pytest.raises(ScheduleError, match="give F,B,W"):
+        Costs.parse("1,2")
+
+
+BROKEN = [  # (microbatches, per-device actions, the error)
+    (1, (("F0", "BW0"), ("F0", "X0")), r"device 1, position 1: cannot read action 'X0'"),
+    (
+        1,
+        (("F0", "BW0"), ("F0", "BW0", "F1", "BW1")),
+        r"device 1, position 2: F\(microbatch 1, chunk 0\): microbatch out",
+    ),
+    (1, (("F0", "BW0", "F0"), ("F0", "BW0")), r"device 0, position 2: F\(microbatch 0, chunk 0\): repeats position 0"),
+    (1, (("F0", "BW0"), ("F0",)), r"device 1: microbatch 0, chunk 0 has no B \(no backward at all\)"),
+    (2, (("F0", "BW0"), ("F0", "BW0")), r"device 0: microbatch 1, chunk 0 has no F"),
+    (1, (("F0", "B0", "W0"), ("F0", "B0")), r"device 1: microbatch 0, chunk 0 has no W; give BW, or both B and W"),
+    (1, (("F0", "BW0", "W0"), ("F0", "BW0")), r"has BW and also B or W"),
+    (
+        1,
+        (("F0", "W0", "B0"), ("F0", "B0", "W0")),
+        r"device 0, position 1: W\(microbatch 0, chunk 0\) comes before its B",
+    ),
+    (1, (("BW0", "F0"), ("F0", "BW0")), r"device 0, position 0: BW\(microbatch 0, chunk 0\) comes before its F"),
+]
+
+
+@pytest.mark.parametrize("m,actions,message", BROKEN, ids=[m.split(":")[0][:40] for _, _, m in BROKEN])
+def test_validator_names_device_position_and_action(m, actions, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(Schedule("t", m, actions))
+
+
+def test_validator_finds_deadlocks():
+    # A chunk's F placed before the F that makes its input (device 0 runs chunk 1 of microbatch 0 first).
+    looped = (("F0.1", "F0", "BW0.1", "BW0"), ("F0", "F0.1", "BW0.1", "BW0"))
+    needs = (
+        r"device 0, position 0: F\(microbatch 0, chunk 1\) needs F\(microbatch 0, chunk 0\) \(device 1, position 0\)"
+    )
+    with pytest.raises(ScheduleError, match=needs + r" first.*deadlocks"):
+        validate(Schedule("t", 1, looped, virtual=2))
+    # A backward waiting for the next stage's backward, which waits in turn on a forward queued behind it.
+    crossed = (("F0", "BW0", "F1", "BW1"), ("F1", "F0", "BW0", "BW1"))
+    needs = r"device 0, position 1: BW\(microbatch 0, chunk 0\) needs BW\(microbatch 0, chunk 0\) \(device 1"
+    with pytest.raises(ScheduleError, match=needs):
+        validate(Schedule("t", 2, crossed))
+    with pytest.raises(ScheduleError, match="for --virtual 2 use interleaved or bfs"):
+        strategies.pipeline_schedule("1f1b", stages=4, microbatches=8, virtual=2)
+    with pytest.raises(ScheduleError, match=r"microbatches divisible by stages \(6 by 4\)"):
+        strategies.pipeline_schedule("interleaved", stages=4, microbatches=6, virtual=2)
+
+
+def test_files_round_trip(tmp_path):
+    s = strategies.pipeline_schedule("interleaved", stages=2, microbatches=4, virtual=2)
+    assert Schedule.from_csv(s.to_csv(), name=s.name) == s
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    (tmp_path / "mine.csv").write_text("F0,F1,B0,W0,B1,W1\nF0,B0,F1,B1,W0,W1\n")
+    loaded = Schedule.load(str(tmp_path / "mine.csv"))
+    assert loaded.name == "mine" and loaded.microbatches == 2 and loaded.actions[1][2] == Action("F", 1)
+    assert simulate(loaded).makespan == 7  # device 0: F0 F1 . B0 W0 B1 W1
+
+
+def test_ticks_and_gantt():
+    t = simulate(strategies.pipeline_schedule("1f1b", stages=2, microbatches=2), Costs(F=1, B=1, W=1, BW=1))
+    ticks = t.ticks()
+    assert [[str(a) if a else "." for a in row] for row in ticks] == [
+        ["F0", "."], ["F1", "F0"], [".", "BW0"], ["BW0", "F1"], [".", "BW1"], ["BW1", "."]
+    ]  # fmt: skip
+    assert gantt_text(t).splitlines()[1].startswith("device 1 │ .   F0  BW0 F1  BW1")
+    with pytest.raises(ScheduleError, match="exactly one time unit"):
+        simulate(strategies.pipeline_schedule("1f1b", stages=2, microbatches=2)).ticks()
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_schedule_json_text_and_plot(capsys, tmp_path):
+    code, out, _ = run(capsys, "schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--json")
+    j = json.loads(out)
+    assert code == 0 and j["bubble_fraction"] == pytest.approx(3 / 27) and j["makespan"] == 27
+    assert j["peak_inflight"] == [4, 3, 2, 1] and len(j["actions"]) == 4 and len(j["actions"][0]) == 24
+    code, out, _ = run(capsys, "schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
+    assert code == 0 and "device 1 │ .   F0" in out and "bubble fraction 0.3333 (1/3)" in out
+    plot = tmp_path / "g.png"
+    code, _, _ = run(capsys, "schedule", "--schedule", "bfs", "--virtual", "2", "--plot", str(plot), "--json")
+    assert code == 0 and plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 10_000
+    table = tmp_path / "t.csv"
+    table.write_text("F0,BW0,F1,BW1\nF0,BW0,F1,BW1\n")
+    code, out, _ = run(capsys, "schedule", "--schedule", str(table), "--json")
+    assert code == 0 and json.loads(out)["makespan"] == 12  # one microbatch at a time: no overlap
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--schedule", "zb-h9"], r"unknown schedule 'zb-h9'; choose from gpipe, 1f1b"),
+        (["--schedule", "interleaved", "--microbatches", "6", "--virtual", "2"], r"divisible by stages \(6 by 4\)"),
+        (["--microbatches", "0"], r"--microbatches must be a positive integer, got 0"),
+        (["--costs", "1,x,1"], r"--costs '1,x,1': give F,B,W"),
+        (["--schedule", "missing.csv"], r"--schedule 'missing.csv': no such file"),
+    ],
+)
+def test_cli_schedule_mistakes(capsys, args, message):
+    import re
+
+    code, _, err = run(capsys, "schedule", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
