@@ -8,8 +8,9 @@ gpt-tiny (8 layers) on stage=4 × data=2, 8 microbatches. For each schedule:
   device's idle ticks inside its own span are counted from that record and set against the simulator's (every
   op one tick), device by device;
 - residual memory: the step is compiled at two batch sizes; the growth of ``memory_analysis()``'s temporaries
-  is the memory that scales with activations. Its ratio to GPipe's is set against the simulator's peak of
-  microbatches held (F started, W not finished) relative to GPipe's, and the executor's input slots.
+  is the memory that scales with activations: one tick's working set (the same for every schedule with the same
+  number of chunks) plus the input slots. Against a reference schedule, the difference in growth is set
+  against the difference in slots times the slot's growth; the slots against the simulator's peaks.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def main() -> None:
 
     import strategies
     from spmd import data, models
-    from spmd._schedule import Costs, simulate
     from spmd._report import memory_of
+    from spmd._schedule import Costs, simulate
 
     model = models.get("gpt-tiny", layers=8)
     mesh = spmd.make_mesh(MESH)
@@ -53,7 +54,7 @@ def main() -> None:
     def batch(size: int) -> dict:
         return data.batch(0, 0, size, model.config.seq_len, model.config.vocab)
 
-    rows, growth = [], {}
+    rows, growth, input_bytes = [], {}, 0
     for name in args.schedules.split(","):
         step = step_for(name)
         state = step.init(model.init, jax.random.key(0))
@@ -74,10 +75,10 @@ def main() -> None:
             s.prepare(abstract)
             temps.append(memory_of(s.compile(batch(size)))["temp_bytes"])
         growth[name] = temps[1] - temps[0]
-        timeline = simulate(schedule)
-        rows.append((name, v, executed_idle, simulated_idle, timeline, step.pipeline.program.slots))
+        x = step.pipeline.activation(state.params, batch(args.batch_size), step.data_axes)
+        input_bytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize  # doubles with the batch
+        rows.append((name, v, executed_idle, simulated_idle, simulated, step.pipeline.program.slots))
 
-    base = rows[0]
     table = Table(
         title=f"gpt-tiny on stage=4 × data=2, {args.microbatches} microbatches: executed vs simulated",
         title_justify="left",
@@ -90,16 +91,25 @@ def main() -> None:
         "peak in flight",
         "peak held",
         "slots",
-        "residual memory growth",
-        f"memory / {base[0]}'s",
-        f"held / {base[0]}'s",
+        "temp growth ×2 batch",
+        "Δ vs reference: compiled",
+        "Δ slots × 2 inputs",
+        "ratio",
     )
     for col in columns:
         table.add_column(col, justify="left" if col == "schedule" else "right")
+    # Each slot keeps a stage input and its gradient: doubling the batch grows it by twice the input's bytes.
+    per_slot = 2 * input_bytes
+    reference: dict[int, tuple[str, int]] = {}
     for name, v, executed_idle, simulated_idle, timeline, slots in rows:
-        ratio = "1.000 (both 0)" if sum(simulated_idle) == 0 == sum(executed_idle) else (
-            f"{sum(executed_idle) / max(1, sum(simulated_idle)):.3f}"
+        ref_name, ref_slots = reference.setdefault(v, (name, slots))
+        ratio = (
+            "1.000 (both 0)"
+            if sum(simulated_idle) == 0 == sum(executed_idle)
+            else f"{sum(executed_idle) / max(1, sum(simulated_idle)):.3f}"
         )
+        compiled = growth[name] - growth[ref_name]
+        modelled = (slots - ref_slots) * per_slot
         table.add_row(
             name + (f" v={v}" if v > 1 else ""),
             " ".join(map(str, executed_idle)),
@@ -109,10 +119,15 @@ def main() -> None:
             str(max(timeline.peak_held)),
             str(slots),
             spmd.format_bytes(growth[name]),
-            f"{growth[name] / growth[base[0]]:.3f}",
-            f"{max(timeline.peak_held) / max(base[4].peak_held):.3f}",
+            f"{compiled / 1024:+.0f} KiB",
+            f"{modelled / 1024:+.0f} KiB",
+            "reference" if name == ref_name else f"{compiled / modelled:.3f}" if modelled else "-",
         )
     Console().print(table)
+    print(
+        f"A slot's input grows by {spmd.format_bytes(input_bytes)} when the batch doubles; the reference for each "
+        f"number of chunks is the first schedule with it (chunks change the per-tick working set)."
+    )
 
 
 if __name__ == "__main__":

@@ -8,32 +8,47 @@ P('data', None)
 
 from spmd._context import activate, constrain
 from spmd._devices import emulate_devices
+from spmd._gantt import gantt_text, plot_gantt
 from spmd._mesh import make_mesh, parse_mesh
+from spmd._pipeline import Pipeline, StagedModel
 from spmd._plan import Layout, LeafLayout, Plan, PlanError, PlanWarning
 from spmd._report import Report, format_bytes, report
+from spmd._schedule import Action, Costs, PipelineSpec, Schedule, ScheduleError, Timeline, simulate, validate
 from spmd._train import StateLayout, TrainState, TrainStep, resolve_state, shard, train_step
 from spmd._tree import unbox
 
 __all__ = [
+    "Action",
+    "Costs",
     "Layout",
     "LeafLayout",
     "Plan",
     "PlanError",
+    "Pipeline",
+    "PipelineSpec",
     "PlanWarning",
     "Report",
+    "Schedule",
+    "ScheduleError",
+    "StagedModel",
     "StateLayout",
     "TrainState",
+    "Timeline",
     "TrainStep",
     "activate",
     "constrain",
     "emulate_devices",
     "format_bytes",
+    "gantt_text",
     "make_mesh",
     "parse_mesh",
+    "plot_gantt",
     "report",
     "resolve_state",
     "shard",
+    "simulate",
     "train_step",
     "unbox",
+    "validate",
 ]
 __version__ = "0.1.0"

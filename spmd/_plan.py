@@ -382,7 +382,7 @@ class Plan:
         pipeline = f"; {self.pipeline.describe()}" if self.pipeline else ""
         return (
             f"batch over {batch}"
-            + (f"; {' + '.join(parts)}" if parts else "; parameters replicated")
+            + (f"; {' + '.join(parts)}" if parts else "" if self.pipeline else "; parameters replicated")
             + remat
             + pipeline
         )
