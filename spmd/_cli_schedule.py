@@ -6,7 +6,7 @@ import argparse
 import json
 
 from spmd._gantt import gantt_text, plot_gantt
-from spmd._schedule import Costs, simulate
+from spmd._schedule import Costs, simulate, validate
 
 
 def schedule(args: argparse.Namespace) -> int:
@@ -19,7 +19,7 @@ def schedule(args: argparse.Namespace) -> int:
             table, stages=args.stages, microbatches=args.microbatches or 2 * args.stages, virtual=args.virtual
         )
     else:
-        strategies.pipeline(table, stages=table.stages, microbatches=table.microbatches)  # validates the table
+        validate(table)
     timeline = simulate(table, Costs.parse(args.costs) if args.costs else Costs())
     if args.plot:
         import matplotlib

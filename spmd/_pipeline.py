@@ -369,8 +369,8 @@ class Pipeline:
         names = staged.activation_names
         lay_out = (lambda x: constrain(x, (None, *names))) if names else (lambda x: x)  # noqa: E731
         slots = lay_out(jnp.zeros((self.program.slots, *x_abstract.shape), x_abstract.dtype))
-        counts = [functools.partial(self._layers, count=k) for k in self.placement.branches]
-        run_layers = counts[0] if len(counts) == 1 else lambda i, w, x: jax.lax.switch(i, counts, w, x)
+        # One branch per distinct stage depth, so a shallower stage really computes less.
+        depths = [functools.partial(self._layers, count=k) for k in self.placement.branches]
 
         def tick(carry: tuple, row: jax.Array) -> tuple:
             inputs, grads_in, grad_w, grad_outer, loss = carry
@@ -381,7 +381,7 @@ class Pipeline:
 
             def forward(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
                 x = jnp.where(first, staged.embed(outer, batch), x_in)
-                return run_layers(w, x) if len(counts) == 1 else run_layers(branch, w, x)
+                return depths[0](w, x) if len(depths) == 1 else jax.lax.switch(branch, depths, w, x)
 
             def head(outer: Any, y: jax.Array) -> jax.Array:
                 return staged.loss(outer, y, batch) / (m * shards)

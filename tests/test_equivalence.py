@@ -36,10 +36,15 @@ CASES = [(kind, name, shape) for kind in ("linen", "nnx") for name, shapes in SH
 CASES += [("linen", name, shape) for name, shapes in EXTRA_SHAPES.items() for shape in shapes]
 
 
+# nnx shares the layout code and the constraints with linen: the default run checks it on these compositions.
+NNX_DEFAULT = ("dp", "fsdp+tp", "dp+fsdp+tp")
+
+
 def _tier(kind, name, shape):
-    """The default run keeps the first shape of every composition (two for linen's); the rest run with -m slow."""
-    position = (SHAPES | EXTRA_SHAPES)[name].index(shape)
-    fast = position == 0 or (kind == "linen" and position == 1 and name in SHAPES)
+    """The default run keeps the first shape of every composition (nnx: of NNX_DEFAULT's); the rest run with
+    -m slow, so every composition is still checked on at least two shapes."""
+    first = (SHAPES | EXTRA_SHAPES)[name].index(shape) == 0
+    fast = first and (kind == "linen" or name in NNX_DEFAULT)
     return () if fast else (pytest.mark.slow,)
 
 
