@@ -16,6 +16,7 @@ from spmd._report import Report, format_bytes, report
 from spmd._schedule import Action, Costs, PipelineSpec, Schedule, ScheduleError, Timeline, simulate, validate
 from spmd._train import StateLayout, TrainState, TrainStep, resolve_state, shard, train_step
 from spmd._tree import unbox
+from spmd._uneven import padded_all_gather, padded_reduce_scatter, uneven_all_to_all
 
 __all__ = [
     "Action",
@@ -41,6 +42,8 @@ __all__ = [
     "format_bytes",
     "gantt_text",
     "make_mesh",
+    "padded_all_gather",
+    "padded_reduce_scatter",
     "parse_mesh",
     "plot_gantt",
     "report",
@@ -49,6 +52,7 @@ __all__ = [
     "simulate",
     "train_step",
     "unbox",
+    "uneven_all_to_all",
     "validate",
 ]
 __version__ = "0.1.0"
