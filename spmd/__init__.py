@@ -12,8 +12,10 @@ from spmd._gantt import gantt_text, plot_gantt
 from spmd._mesh import make_mesh, parse_mesh
 from spmd._pipeline import Pipeline, StagedModel
 from spmd._plan import Layout, LeafLayout, Plan, PlanError, PlanWarning
+from spmd._profile import Device, Profile
 from spmd._report import Report, format_bytes, report
 from spmd._schedule import Action, Costs, PipelineSpec, Schedule, ScheduleError, Timeline, simulate, validate
+from spmd._shares import Shares, UnevenData
 from spmd._train import StateLayout, TrainState, TrainStep, resolve_state, shard, train_step
 from spmd._tree import unbox
 from spmd._uneven import padded_all_gather, padded_reduce_scatter, uneven_all_to_all
@@ -21,6 +23,7 @@ from spmd._uneven import padded_all_gather, padded_reduce_scatter, uneven_all_to
 __all__ = [
     "Action",
     "Costs",
+    "Device",
     "Layout",
     "LeafLayout",
     "Plan",
@@ -28,14 +31,17 @@ __all__ = [
     "Pipeline",
     "PipelineSpec",
     "PlanWarning",
+    "Profile",
     "Report",
     "Schedule",
     "ScheduleError",
+    "Shares",
     "StagedModel",
     "StateLayout",
     "TrainState",
     "Timeline",
     "TrainStep",
+    "UnevenData",
     "activate",
     "constrain",
     "emulate_devices",

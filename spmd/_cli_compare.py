@@ -24,7 +24,7 @@ def compare(args: argparse.Namespace) -> int:
     setups = [(name, *_setup(args, strategy=name)) for name in names]  # all errors first
     hardware = _hardware(args)
     rows = []
-    for name, model, mesh, plan in setups:
+    for name, model, mesh, plan, profile in setups:
         step = _trainer(model, plan, mesh, args)
         state = step.init(model.init, jax.random.key(args.seed))
         rep = spmd.report(step, _batch(model, args.seed, 0, args.batch_size), hardware=hardware)
@@ -40,6 +40,10 @@ def compare(args: argparse.Namespace) -> int:
         keys = ("compiled_memory", "analytic_memory", "collectives", "comm_bytes_per_step", "modelled_step_time")
         row |= {k: d[k] for k in (*keys, "warnings")}
         row["step_time_s"] = statistics.median(times)
+        if profile is not None:
+            from spmd import _cli_hetero
+
+            row |= _cli_hetero.summary(args, step, rep, profile)
         rows.append(row)
         del state
     if args.plot:

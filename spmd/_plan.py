@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._schedule import PipelineSpec
+from spmd._shares import Shares
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 AxisEntry = Union[None, str, tuple[str, ...]]  # noqa: UP007 (a runtime alias)
@@ -268,6 +269,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False  # rematerialise each layer in the backward pass (FSDP: re-gather rather than keep weights)
     pipeline: PipelineSpec | None = None  # stages on a mesh axis, run by a schedule (strategies.pipeline)
+    uneven: Shares | None = None  # uneven batch shares over the data axis (strategies.hetero)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -315,6 +317,13 @@ class Plan:
     def __add__(self, other: Plan) -> Plan:
         if not isinstance(other, Plan):
             return NotImplemented
+        if self.uneven and other.uneven and self.uneven != other.uneven:
+            raise PlanError(f"two uneven splits in one plan: {self.uneven.describe()} and {other.uneven.describe()}")
+        if (self.pipeline or other.pipeline) and (self.uneven or other.uneven):
+            raise PlanError(
+                "uneven data parallelism inside a pipeline is not supported; a heterogeneous pipeline gives its "
+                "stages uneven layers instead (layers_per_stage)"
+            )
         if self.pipeline and other.pipeline and self.pipeline != other.pipeline:
             raise PlanError(
                 f"two pipeline parts in one plan: {self.pipeline.describe()} and {other.pipeline.describe()}; keep one"
@@ -327,6 +336,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             pipeline=self.pipeline or other.pipeline,
+            uneven=self.uneven or other.uneven,
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -380,6 +390,7 @@ class Plan:
         batch = ",".join(self.batch_axes) or "replicated"
         remat = "; layers rematerialised" if self.remat else ""
         pipeline = f"; {self.pipeline.describe()}" if self.pipeline else ""
+        pipeline += f"; {self.uneven.describe()}" if self.uneven else ""
         return (
             f"batch over {batch}"
             + (f"; {' + '.join(parts)}" if parts else "" if self.pipeline else "; parameters replicated")
@@ -406,6 +417,8 @@ class Plan:
                 bucket.add(part.axis)
         if self.pipeline:
             used.setdefault("pipeline", set()).add(self.pipeline.axis)
+        if self.uneven:
+            used.setdefault("uneven data parallelism", set()).add(self.uneven.axis)
         return used
 
     def check_mesh(self, mesh: Mesh | Mapping[str, int]) -> None:

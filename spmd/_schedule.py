@@ -408,9 +408,12 @@ class Timeline:
         }
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, scale: Sequence[Sequence[Real]] | None = None
+) -> Timeline:
     """Times ``schedule``: each device runs its actions in order, each starting when the device is free and
-    the results it needs exist (plus ``costs.comm`` when they come from another device).
+    the results it needs exist (plus ``costs.comm`` when they come from another device). ``scale[d][c]``
+    multiplies the op times of chunk ``c`` on device ``d`` (uneven stages, devices of different speeds).
 
     >>> import strategies
     >>> t = simulate(strategies.pipeline_schedule("1f1b", stages=4, microbatches=8))
@@ -420,6 +423,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     costs = costs or Costs()
     grads = _backward_kinds(schedule)
     p, v = schedule.stages, schedule.virtual
+    factor = (
+        [[Fraction(1)] * v for _ in range(p)] if scale is None else [[_exact(x, "scale") for x in row] for row in scale]
+    )
+    if len(factor) != p or any(len(row) != v for row in factor):
+        raise ScheduleError(f"simulate: scale must give {v} factor(s) for each of the {p} devices")
     ends: dict[tuple[int, Action], Fraction] = {}
     starts: list[list[Fraction]] = [[] for _ in range(p)]
     finish: list[list[Fraction]] = [[] for _ in range(p)]
@@ -436,7 +444,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
                     break
                 ready = max([ends[dep] + (costs.comm if dep[0] != d else 0) for dep in deps], default=Fraction(0))
                 start = max(free[d], ready)
-                end = start + costs.of(a.kind, v)
+                end = start + costs.of(a.kind, v) * factor[d][a.chunk]
                 ends[d, a] = end
                 starts[d].append(start)
                 finish[d].append(end)

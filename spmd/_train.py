@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmd._context import activate
 from spmd._pipeline import Pipeline, StagedModel
 from spmd._plan import Layout, LeafLayout, Plan, PlanError
+from spmd._shares import UnevenData
 from spmd._tree import leaves_with_paths, unbox
 
 
@@ -148,6 +149,7 @@ class TrainStep:
         self.loss_fn, self.optimizer, self.plan, self.mesh = loss_fn, optimizer, plan, mesh
         self.donate, self.staged = donate, staged
         self.pipeline: Pipeline | None = None
+        self.uneven = UnevenData(loss_fn, plan.uneven, mesh) if plan.uneven is not None else None
         self.layout: StateLayout | None = None
         self.compiled: jax.stages.Compiled | None = None
         self._batch_shardings: Any = None
@@ -201,6 +203,9 @@ class TrainStep:
                 params = unpad(state.params, self.layout.params)
                 loss, grads = self.pipeline.value_and_grad(params, batch, data_axes=self.data_axes)
                 grads = pad(grads, self.layout.params)
+            elif self.uneven is not None:
+                loss, grads = self.uneven.value_and_grad(unpad(state.params, self.layout.params), batch)
+                grads = pad(grads, self.layout.params)
             else:
                 loss_of_stored = lambda params: self.loss_fn(unpad(params, self.layout.params), batch)  # noqa: E731
                 loss, grads = jax.value_and_grad(loss_of_stored)(state.params)
@@ -227,6 +232,8 @@ class TrainStep:
         return params if self.pipeline is None else self.pipeline.unstack(params)
 
     def batch_shardings(self, batch: Any) -> Any:
+        if self.uneven is not None:  # any batch size: the shares, not an even split, place its examples
+            return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), batch)
         return self.plan.batch_shardings(batch, self.mesh)
 
     def abstract_state(self) -> TrainState:

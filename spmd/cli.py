@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
         pipeline_flags(p)
+        from spmd import _cli_hetero
+
+        _cli_hetero.add_flags(p)
 
     def pipeline_flags(p: argparse.ArgumentParser, *, table: bool = False) -> None:
         schedules = "gpipe, 1f1b, interleaved, bfs, zb-h1, zb-h2"
@@ -82,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--costs", help="op times F,B,W[,comm] of a whole stage (default 1,1,1,0)")
     schedule.add_argument("--json", action="store_true", help="print one JSON object instead of the chart")
     schedule.add_argument("--plot", help="write a Gantt chart PNG to this file")
+    profile = sub.add_parser("profile", help="measure the present devices: matmul speed, all-reduce bandwidth")
+    profile.add_argument("--devices", type=int, help="emulate N CPU devices (default: the accelerators)")
+    profile.add_argument("--size", type=int, default=1024, help="matmul size")
+    profile.add_argument("--out", help="also write the profile to this JSON file (for --device-profile)")
     demo = sub.add_parser("demo", help="the main job: gpt-tiny on data=2 × fsdp=2 × tensor=2, checked")
     common(demo, demo=True)
     demo.add_argument("--steps", type=int, default=DEMO["steps"])
@@ -98,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return _cli_schedule.schedule(args)
         _start_devices(args.devices)
+        if args.command == "profile":
+            from spmd import _cli_hetero
+
+            return _cli_hetero.profile_command(args)
         if args.command in ("compare", "suggest"):
             from spmd import _cli_compare
 
@@ -118,7 +129,18 @@ def _is_user_error(e: Exception) -> bool:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    positive = ("steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top")
+    positive = (
+        "steps",
+        "batch_size",
+        "devices",
+        "layers",
+        "timed_steps",
+        "block",
+        "confirm",
+        "max_tensor",
+        "top",
+        "size",
+    )
     for name in (*positive, "microbatches", "virtual", "stages"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
@@ -130,7 +152,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--layers-per-stage {args.layers_per_stage!r}: give one count per global stage, e.g. 3,3,1,1"
             ) from None
-    if args.command == "schedule":
+    if args.command in ("schedule", "profile"):
         return
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
@@ -193,7 +215,8 @@ def _setup(
     mesh_text: str | None = None,
     strategy: str | None = None,
 ) -> tuple:
-    """(model, mesh, plan) from the command line; strategies the cost model chooses get their context here."""
+    """(model, mesh, plan, device profile or None) from the command line; strategies the cost model chooses get
+    their context here, and a device profile makes the plan uneven (see spmd._cli_hetero)."""
     import jax
 
     import spmd
@@ -224,11 +247,16 @@ def _setup(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
             f"the built-in linen GPTs gpt-tiny and gpt-small have one)"
         )
+    from spmd import _cli_hetero
+
+    profile = _cli_hetero.profile_from_args(args, mesh.size)
+    if profile is not None:
+        mesh, plan, profile = _cli_hetero.apply(args, model, mesh, plan, profile)
     if getattr(args, "block", None):
         plan = plan.with_block(args.block)
     if plan.remat and model_name in models.BUILTIN:  # user factories need not know the option
         model = models.get(model_name, **overrides, remat=True)
-    return model, mesh, plan
+    return model, mesh, plan, profile
 
 
 def _schedule_arg(value: str) -> Any:
@@ -348,28 +376,37 @@ def _plan(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     import spmd
+    from spmd import _cli_hetero
 
-    model, mesh, plan = _setup(args)
+    model, mesh, plan, profile = _setup(args)
     step = _trainer(model, plan, mesh, args)
     step.prepare(jax.eval_shape(model.init, jax.random.key(args.seed)))
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
     rep = spmd.report(step, batch, hardware=_hardware(args))
+    hetero = _cli_hetero.summary(args, step, rep, profile) if profile is not None else {}
     if args.json:
-        print(json.dumps({"model": model.name, **rep.to_dict()}))
+        print(json.dumps({"model": model.name, **rep.to_dict(), **hetero}))
     else:
         _console().print(rep)
+        if hetero:
+            _console().print(_cli_hetero.text(hetero))
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    model, mesh, plan = _setup(args)
+    model, mesh, plan, profile = _setup(args)
     losses, params, _ = _train(model, plan, mesh, args, label=args.strategy, quiet=args.json)
     out: dict[str, Any] = {
         "model": model.name,
         "mesh": dict(mesh.shape),
         "strategy": args.strategy,
+        "plan": plan.describe(),
         "losses": losses,
     }
+    if plan.uneven is not None:
+        out["batch_shares"] = list(plan.uneven.shares)
+    if plan.pipeline is not None:
+        out["layers_per_stage"] = list(plan.pipeline.layers_per_stage or ())
     if args.check:
         ref, ref_params, _ = _reference(model, args, quiet=args.json)
         out["reference_losses"] = ref
@@ -391,7 +428,7 @@ def _demo(args: argparse.Namespace) -> int:
     import spmd
     from spmd import data
 
-    model, mesh, plan = _setup(args, model_name=DEMO["model"], mesh_text=DEMO["mesh"], strategy=DEMO["strategy"])
+    model, mesh, plan, _ = _setup(args, model_name=DEMO["model"], mesh_text=DEMO["mesh"], strategy=DEMO["strategy"])
     console = _console()
     platform = jax.devices()[0].platform
     console.rule(f"spmd demo: {model.name} on {mesh.size} {platform} devices, strategy {DEMO['strategy']}")

@@ -104,6 +104,7 @@ def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     assert step.pipeline.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
 
 
+@pytest.mark.slow  # the default tier checks uneven stages through the CLI (tests/test_hetero.py)
 def test_uneven_stages_train_like_the_unpipelined_model(runs, reference):
     run = runs("stage4xdata2", "1f1b", 1, (3, 3, 1, 1))
     _assert_matches(run, reference)

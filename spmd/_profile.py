@@ -1,0 +1,196 @@
+"""Device profiles: what each device of a mesh can do, so plans can give devices of different speeds uneven
+shares (heterogeneous meshes).
+
+A profile lists, in mesh device order (``mesh.devices.flat``), each device's kind, relative throughput, memory
+capacity and link bandwidth per mesh axis. It comes from a JSON file (``--device-profile``), from flags
+(``--device-speeds 3,3,1,1``, ``--device-memory 16GiB``), or from measuring the devices present
+(:func:`measure`, ``spmd profile``). On emulated CPU devices the profile is declared, so heterogeneous plans are
+testable anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Device", "Profile", "measure"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One device: ``speed`` is its throughput relative to the others (e.g. its FLOP/s); ``memory`` in bytes
+    (None: not limiting); ``bandwidth`` per mesh axis in bytes/s (missing axes: the hardware's defaults)."""
+
+    kind: str = "device"
+    speed: float = 1.0
+    memory: int | None = None
+    bandwidth: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.speed, (int, float)) and math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"device profile: speed must be a positive number, got {self.speed!r}")
+        if self.memory is not None and self.memory <= 0:
+            raise ValueError(f"device profile: memory must be a positive number of bytes, got {self.memory!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Per device, in mesh device order, what it can do.
+
+    >>> p = Profile.from_speeds([3, 3, 1, 1])
+    >>> p.speeds, p.ideal_speedup()
+    ((3.0, 3.0, 1.0, 1.0), 2.0)
+    """
+
+    devices: tuple[Device, ...]
+
+    @property
+    def speeds(self) -> tuple[float, ...]:
+        return tuple(float(d.speed) for d in self.devices)
+
+    @property
+    def memory(self) -> tuple[int | None, ...]:
+        return tuple(d.memory for d in self.devices)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(d.kind for d in self.devices)
+
+    def ideal_speedup(self) -> float:
+        """What a throughput-proportional split gains over an even one when compute bounds the step:
+        Σ s / (N · min s)."""
+        return sum(self.speeds) / (len(self.devices) * min(self.speeds))
+
+    def check(self, devices: int) -> Profile:
+        if len(self.devices) != devices:
+            raise ValueError(
+                f"device profile: {len(self.devices)} devices given but the mesh has {devices}; give one entry per "
+                f"device, in mesh order"
+            )
+        return self
+
+    def reordered(self, order: Sequence[int]) -> Profile:
+        return Profile(tuple(self.devices[i] for i in order))
+
+    # -- sources ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_speeds(
+        cls, speeds: Sequence[float], memory: Sequence[int | None] | None = None, kinds: Sequence[str] | None = None
+    ) -> Profile:
+        """From per-device speeds (and optionally memory in bytes and kinds), e.g. ``--device-speeds``."""
+        n = len(speeds)
+        memory = [None] * n if memory is None else list(memory)
+        kinds = [None] * n if kinds is None else list(kinds)
+        if len(memory) == 1:
+            memory = memory * n
+        if len(memory) != n or len(kinds) != n:
+            raise ValueError(
+                f"device profile: {n} speeds but {len(memory)} memory sizes and {len(kinds)} kinds; give one of "
+                f"each per device (or one memory size for all)"
+            )
+        # Without kinds, devices of one speed are taken to be of one kind.
+        return cls(
+            tuple(
+                Device(kind=k or f"speed-{s:g}", speed=float(s), memory=mem)
+                for s, mem, k in zip(speeds, memory, kinds, strict=True)
+            )
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        """``{"devices": [{"kind": "h100", "speed": 3, "memory": 85899345920, "bandwidth": {"data": 4.5e11}}]}``
+        (memory may also be a string like ``"80GiB"``)."""
+        from spmd.cli import parse_bytes
+
+        entries = data.get("devices") if isinstance(data, Mapping) else None
+        if not isinstance(entries, list) or not entries:
+            raise ValueError('device profile: expected {"devices": [{"kind": ..., "speed": ...}, ...]}')
+        out = []
+        for i, e in enumerate(entries):
+            if not isinstance(e, Mapping) or "speed" not in e:
+                raise ValueError(f"device profile: device {i} needs at least a speed, got {e!r}")
+            memory = e.get("memory")
+            if isinstance(memory, str):
+                memory = parse_bytes(memory, f"device profile: device {i} memory")
+            bandwidth = tuple(sorted((str(k), float(v)) for k, v in (e.get("bandwidth") or {}).items()))
+            out.append(Device(str(e.get("kind", f"device-{i}")), float(e["speed"]), memory, bandwidth))
+        return cls(tuple(out))
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except FileNotFoundError:
+            raise ValueError(f"--device-profile {path!r}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--device-profile {path!r}: not valid JSON ({e})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": [
+                {"kind": d.kind, "speed": d.speed, "memory": d.memory, "bandwidth": dict(d.bandwidth)}
+                for d in self.devices
+            ]
+        }
+
+
+def measure(devices: Sequence[Any] | None = None, *, size: int = 1024, repeats: int = 5) -> Profile:
+    """Times a ``size × size`` matmul on each device (its speed, relative to the fastest = 1 is not imposed:
+    speeds are in TFLOP/s) and an all-reduce over all of them (its bandwidth, bytes/s per device, recorded for
+    every device under the axis name ``"all"``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    devices = list(devices or jax.devices())
+    out = []
+    for device in devices:
+        x = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+        matmul = jax.jit(lambda a: a @ a)
+        matmul(x).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            matmul(x).block_until_ready()
+            times.append(time.perf_counter() - start)
+        flops = 2 * size**3 / float(np.median(times))
+        memory = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
+        out.append((device.device_kind, flops / 1e12, memory))
+    bandwidth = _all_reduce_bandwidth(devices, repeats=repeats)
+    return Profile(
+        tuple(
+            Device(kind=str(kind), speed=max(speed, 1e-9), memory=memory, bandwidth=(("all", bandwidth),))
+            for kind, speed, memory in out
+        )
+    )
+
+
+def _all_reduce_bandwidth(devices: Sequence[Any], *, repeats: int, nbytes: int = 1 << 22) -> float:
+    """Ring bus bandwidth of an all-reduce over ``devices``: 2(N−1)/N · bytes / time."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec
+
+    n = len(devices)
+    if n < 2:
+        return float("inf")
+    mesh = Mesh(np.array(devices), ("all",))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "all"), mesh=mesh, in_specs=PartitionSpec("all"), out_specs=PartitionSpec()
+        )
+    )
+    x = jnp.ones((n, nbytes // 4), jnp.float32)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * (n - 1) / n * (nbytes) / float(np.median(times))

@@ -1,0 +1,210 @@
+"""Heterogeneous meshes (HAP): devices of different speeds get uneven shares of the work.
+
+Pure functions of a :class:`spmd.Profile` and the mesh sizes:
+
+- :func:`proportional_split`: an exact integer split of a total proportional to weights under per-part caps
+  (water-filling, then the largest remainders);
+- :func:`batch_shares`: examples per data-parallel rank proportional to its speed (a rank's speed is its
+  slowest device's), capped by what its memory holds;
+- :func:`stage_layers`: layers per pipeline stage proportional to the stage's speed;
+- :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism)
+  inside one device kind;
+- :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.UnevenData``);
+- :func:`modelled_step_times`: the cost model's step time of the even and the uneven split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+
+import numpy as np
+
+from spmd import Plan
+from spmd._profile import Profile
+from spmd._schedule import Schedule, simulate
+from spmd._shares import Shares
+
+__all__ = [
+    "batch_shares",
+    "kind_order",
+    "modelled_step_times",
+    "pipeline_step_times",
+    "proportional_split",
+    "rank_speeds",
+    "stage_layers",
+    "uneven_data_parallel",
+]
+
+
+def proportional_split(
+    total: int, weights: Sequence[float], *, caps: Sequence[int | None] | None = None
+) -> tuple[int, ...]:
+    """Non-negative integers summing to ``total``, proportional to ``weights``, each at most its cap.
+
+    Parts whose proportional share exceeds their cap get the cap and the rest is split again among the others
+    (water-filling); the integer parts then take the floors of their exact shares, and the units left over go to
+    the largest remainders (ties to the lower index), so every part is within one unit of its exact share.
+
+    >>> proportional_split(56, [3, 3, 1, 1, 1, 1, 2, 2])
+    (12, 12, 4, 4, 4, 4, 8, 8)
+    >>> proportional_split(10, [1, 1, 1])  # 3⅓ each: one part takes the leftover unit
+    (4, 3, 3)
+    >>> proportional_split(40, [4, 1, 1, 1, 1], caps=[8, None, None, None, None])  # the fast part is capped
+    (8, 8, 8, 8, 8)
+    """
+    n = len(weights)
+    caps = [None] * n if caps is None else list(caps)
+    if n == 0 or total < 0 or any(w <= 0 for w in weights) or len(caps) != n:
+        raise ValueError(f"proportional_split: need positive weights and one cap (or None) each, got {weights}")
+    room = sum(math.inf if c is None else c for c in caps)
+    if room < total:
+        raise ValueError(
+            f"cannot place {total} units: the caps {caps} hold only {room} in all; lower the batch or give the "
+            f"devices more memory"
+        )
+    exact = [Fraction(0)] * n
+    free, left = set(range(n)), Fraction(total)
+    while free:
+        weight = sum(Fraction(weights[i]) for i in free)
+        over = [i for i in free if caps[i] is not None and left * Fraction(weights[i]) / weight > caps[i]]
+        if not over:
+            for i in free:
+                exact[i] = left * Fraction(weights[i]) / weight
+            break
+        for i in over:
+            exact[i] = Fraction(caps[i])
+            left -= caps[i]
+            free.discard(i)
+    parts = [math.floor(x) for x in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - parts[i]), i))
+    for i in order[: total - sum(parts)]:
+        parts[i] += 1
+    return tuple(parts)
+
+
+def rank_speeds(profile: Profile, mesh_axes: Mapping[str, int], axis: str) -> tuple[float, ...]:
+    """The speed of each position along ``axis``: the slowest of the devices sharing it (they run in step)."""
+    speeds = np.array(profile.speeds).reshape(tuple(mesh_axes.values()))
+    position = list(mesh_axes).index(axis)
+    return tuple(float(x) for x in np.moveaxis(speeds, position, 0).reshape(mesh_axes[axis], -1).min(axis=1))
+
+
+def _rank_memory(profile: Profile, mesh_axes: Mapping[str, int], axis: str) -> tuple[int | None, ...]:
+    memory = profile.memory
+    if all(m is None for m in memory):
+        return (None,) * mesh_axes[axis]
+    grid = np.array([math.inf if m is None else m for m in memory], dtype=float).reshape(tuple(mesh_axes.values()))
+    position = list(mesh_axes).index(axis)
+    least = np.moveaxis(grid, position, 0).reshape(mesh_axes[axis], -1).min(axis=1)
+    return tuple(None if math.isinf(x) else int(x) for x in least)
+
+
+def batch_shares(
+    batch: int,
+    profile: Profile,
+    mesh_axes: Mapping[str, int],
+    *,
+    axis: str = "data",
+    state_bytes: int = 0,
+    example_bytes: int = 0,
+) -> tuple[int, ...]:
+    """Examples of a ``batch`` per position along ``axis``, proportional to its speed; a position whose memory
+    (its smallest device's) is known holds at most ``(memory − state_bytes) / example_bytes`` examples, so a
+    device with little memory gets less even if it is fast.
+
+    >>> batch_shares(56, Profile.from_speeds([3, 3, 1, 1, 1, 1, 2, 2]), {"data": 8})
+    (12, 12, 4, 4, 4, 4, 8, 8)
+    """
+    profile.check(math.prod(mesh_axes.values()))
+    caps = []
+    for memory in _rank_memory(profile, mesh_axes, axis):
+        if memory is None or example_bytes <= 0:
+            caps.append(None)
+            continue
+        if memory <= state_bytes:
+            raise ValueError(
+                f"a device has {memory} bytes of memory but the model state alone needs {state_bytes} per device; "
+                f"shard the parameters (fsdp, zero3) or use devices with more memory"
+            )
+        caps.append((memory - state_bytes) // example_bytes)
+    return proportional_split(batch, rank_speeds(profile, mesh_axes, axis), caps=caps)
+
+
+def stage_layers(
+    layers: int, profile: Profile, mesh_axes: Mapping[str, int], *, axis: str = "stage"
+) -> tuple[int, ...]:
+    """Layers per pipeline stage proportional to the stage's speed (its slowest device's).
+
+    >>> stage_layers(8, Profile.from_speeds([3, 3, 1, 1]), {"stage": 4})
+    (3, 3, 1, 1)
+    """
+    profile.check(math.prod(mesh_axes.values()))
+    return proportional_split(layers, rank_speeds(profile, mesh_axes, axis))
+
+
+def kind_order(profile: Profile, mesh_axes: Mapping[str, int]) -> tuple[int, ...]:
+    """A device order (indices into the profile) with the devices of each kind contiguous, so that the groups
+    along the innermost mesh axes (tensor parallelism) stay inside one kind wherever the kinds' counts allow.
+
+    >>> kind_order(Profile.from_speeds([1, 2, 1, 2]), {"data": 2, "tensor": 2})
+    (0, 2, 1, 3)
+    """
+    profile.check(math.prod(mesh_axes.values()))
+    first_seen = {k: i for i, k in reversed(list(enumerate(profile.kinds)))}
+    return tuple(sorted(range(len(profile.devices)), key=lambda i: (first_seen[profile.kinds[i]], i)))
+
+
+def uneven_data_parallel(shares: Sequence[int], *, axis: str = "data", microbatch: int | None = None) -> Plan:
+    """Data parallelism over ``axis`` with ``shares[i]`` examples on position ``i``: each device loops over
+    its own number of ``microbatch``-example steps (default: the largest that divides every share).
+
+    >>> uneven_data_parallel((12, 12, 4, 4)).uneven.loops
+    (3, 3, 1, 1)
+    """
+    shares = tuple(int(s) for s in shares)
+    if microbatch is None:
+        microbatch = math.gcd(*shares) or 1
+    return Plan(batch_axes=(axis,), uneven=Shares(axis=axis, shares=shares, microbatch=microbatch))
+
+
+def modelled_step_times(
+    work: float, speeds: Sequence[float], shares: Sequence[float], comm_s: float = 0.0
+) -> dict[str, float]:
+    """Step times of the even split and of ``shares`` when a position takes ``work × share / speed`` seconds
+    (``work``: seconds per unit of share at speed 1) and communication adds ``comm_s``; with the speedup and
+    the ideal one, Σs / (N · min s).
+
+    >>> t = modelled_step_times(1.0, [3, 1], [3, 1])
+    >>> t["even"], t["hetero"], t["speedup"], t["ideal"]
+    (2.0, 1.0, 2.0, 2.0)
+    """
+    n, total = len(speeds), sum(shares)
+    even = max(work * (total / n) / s for s in speeds) + comm_s
+    hetero = max(work * share / s for share, s in zip(shares, speeds, strict=True)) + comm_s
+    return {"even": even, "hetero": hetero, "speedup": even / hetero, "ideal": sum(speeds) / (n * min(speeds))}
+
+
+def pipeline_step_times(
+    schedule: Schedule, even: Sequence[int], counts: Sequence[int], speeds: Sequence[float], layer_s: float = 1.0
+) -> dict[str, float]:
+    """Simulated step times of a pipeline with ``even`` and with ``counts`` layers per global stage, when one
+    layer's F, B or W for one microbatch takes ``layer_s`` at speed 1 and device ``d`` runs at ``speeds[d]``.
+
+    >>> from strategies.pipeline import pipeline_schedule
+    >>> t = pipeline_step_times(pipeline_schedule("1f1b", stages=2, microbatches=8), (4, 4), (6, 2), (3, 1))
+    >>> round(t["speedup"], 3), t["ideal"]
+    (1.852, 2.0)
+    """
+    p, v = schedule.stages, schedule.virtual
+
+    def makespan(layers: Sequence[int]) -> float:
+        # Costs are per whole stage (a chunk's op is 1/v of it): scale each chunk by its layers × v / speed.
+        scale = [
+            [Fraction(layers[schedule.stage_of(d, c)] * v) / Fraction(speeds[d]) for c in range(v)] for d in range(p)
+        ]
+        return float(simulate(schedule, scale=scale).makespan) * layer_s
+
+    t_even, t = makespan(even), makespan(counts)
+    return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(speeds) / (p * min(speeds))}

@@ -1,0 +1,158 @@
+"""Heterogeneous meshes: shares and stages from device profiles, uneven data parallelism that really loops
+differently per device and still equals one device, the modelled speedup, and the command line."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmd
+from spmd import data, models
+from spmd.cli import main
+from strategies import hetero
+
+
+def test_acceptance_shares_follow_the_speeds():
+    shares = hetero.batch_shares(56, spmd.Profile.from_speeds([3, 3, 1, 1, 1, 1, 2, 2]), {"data": 8})
+    assert shares == (12, 12, 4, 4, 4, 4, 8, 8)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shares_stay_within_five_percent_of_proportional(seed):
+    rng = np.random.default_rng(seed)
+    speeds = rng.uniform(0.5, 4.0, size=rng.integers(2, 9)).round(2)
+    batch = int(rng.integers(400, 2000))
+    shares = hetero.proportional_split(batch, speeds)
+    exact = batch * speeds / speeds.sum()
+    assert sum(shares) == batch and all(isinstance(s, int) for s in shares)
+    assert np.all(np.abs(np.array(shares) - exact) <= 1)  # the largest remainders: within one example
+    np.testing.assert_array_less(np.abs(np.array(shares) - exact), 0.05 * exact)
+
+
+def test_memory_caps_take_work_from_a_fast_device_with_little_memory():
+    speeds = [4, 1, 1, 1, 1]
+    fast = hetero.batch_shares(40, spmd.Profile.from_speeds(speeds), {"data": 5})
+    assert fast == (20, 5, 5, 5, 5)
+    # Device 0 holds the model state (1000 bytes) plus 6 examples of 100 bytes; the others have room for 20.
+    small = spmd.Profile.from_speeds(speeds, memory=[1600, 3000, 3000, 3000, 3000])
+    capped = hetero.batch_shares(40, small, {"data": 5}, state_bytes=1000, example_bytes=100)
+    assert capped == (6, 9, 9, 8, 8) and sum(capped) == 40
+    with pytest.raises(ValueError, match=r"cannot place 40 units: the caps \[6, 6, 6, 6, 6\] hold only 30 in all"):
+        hetero.batch_shares(40, small.reordered([0, 0, 0, 0, 0]), {"data": 5}, state_bytes=1000, example_bytes=100)
+    with pytest.raises(ValueError, match="the model state alone needs 5000 per device"):
+        hetero.batch_shares(40, small, {"data": 5}, state_bytes=5000, example_bytes=100)
+
+
+@pytest.mark.parametrize("speeds", [[2, 2, 2, 2, 1, 1, 1, 1], [3, 3, 3, 3, 1, 1, 1, 1], [4, 4, 2, 2, 2, 1, 1, 1]])
+def test_modelled_speedup_reaches_the_ideal_when_compute_bound(speeds):
+    shares = hetero.batch_shares(512, spmd.Profile.from_speeds(speeds), {"data": 8})
+    t = hetero.modelled_step_times(1.0, speeds, shares)
+    assert t["ideal"] == pytest.approx(sum(speeds) / (8 * min(speeds)))
+    assert 0.97 * t["ideal"] <= t["speedup"] <= t["ideal"] + 1e-9
+
+
+def test_stage_layers_and_kind_order():
+    assert hetero.stage_layers(8, spmd.Profile.from_speeds([3, 3, 3, 3, 1, 1, 1, 1]), {"stage": 4, "data": 2}) == (
+        3,
+        3,
+        1,
+        1,
+    )
+    # Kinds interleaved in device order: reordered so each tensor pair is one kind.
+    profile = spmd.Profile.from_speeds([2, 1] * 4, kinds=["h100", "a100"] * 4)
+    order = hetero.kind_order(profile, {"data": 4, "tensor": 2})
+    pairs = np.array([profile.kinds[i] for i in order]).reshape(4, 2)
+    assert all(len(set(pair)) == 1 for pair in pairs)
+
+
+def test_uneven_data_parallel_loops_differently_and_equals_one_device():
+    model = models.get("gpt-tiny", layers=2)
+    shares = (12, 12, 4, 4, 4, 4, 8, 8)
+    plan = hetero.uneven_data_parallel(shares)
+    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, spmd.make_mesh({"data": 8}))
+    state = step.init(model.init, jax.random.key(0))
+    batch = data.batch(0, 0, 56, model.config.seq_len, model.config.vocab)
+    # Read from the executed program: the iterations each device's loop ran.
+    np.testing.assert_array_equal(step.uneven.executed_loops(state.params, batch), [3, 3, 1, 1, 1, 1, 2, 2])
+    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ref = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), spmd.Plan(), one)
+    ref_state = ref.init(model.init, jax.random.key(0))
+    for i in range(2):
+        batch = data.batch(0, i, 56, model.config.seq_len, model.config.vocab)
+        state, loss = step(state, batch)
+        ref_state, ref_loss = ref(ref_state, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"the batch has 48 examples but the shares .* add up to 56"):
+        step.uneven.value_and_grad(state.params, data.batch(0, 0, 48, 32, 256))
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_run_uneven_data_parallel_checked(capsys):
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--device-speeds",
+        "3,3,1,1,1,1,2,2", "--batch-size", "56", "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    j = json.loads(out)
+    assert code == 0 and j["batch_shares"] == [12, 12, 4, 4, 4, 4, 8, 8] and j["max_abs_diff"] <= 1e-4
+
+
+def test_cli_run_uneven_pipeline_stages_checked(capsys):
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--device-speeds",
+        "3,3,3,3,1,1,1,1", "--microbatches", "8", "--batch-size", "16", "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    j = json.loads(out)
+    assert code == 0 and j["layers_per_stage"] == [3, 3, 1, 1] and j["max_abs_diff"] <= 1e-4
+
+
+def test_cli_plan_json_and_memory(capsys, tmp_path):
+    args = ["plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "56", "--json"]
+    code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2")
+    j = json.loads(out)
+    assert code == 0 and j["batch_shares"] == [12, 12, 4, 4, 4, 4, 8, 8] and sum(j["batch_shares"]) == 56
+    assert j["ideal_speedup"] == pytest.approx(14 / 8)
+    assert set(j["simulated_step_time"]) == {"even", "hetero"} and 1 < j["simulated_speedup"] <= j["ideal_speedup"]
+    # The same speeds with a small memory on device 0: it takes fewer examples than its equally fast twin.
+    profile = {"devices": [{"kind": "fast", "speed": 3, "memory": "8MiB"}, {"kind": "fast", "speed": 3}]}
+    profile["devices"] += [{"kind": "slow", "speed": s} for s in (1, 1, 1, 1, 2, 2)]
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    code, out, _ = run(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
+    shares = json.loads(out)["batch_shares"]
+    assert code == 0 and sum(shares) == 56 and shares[0] < shares[1]
+    # --even keeps the homogeneous split and prices it against the profile: no speedup.
+    code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2", "--even")
+    j = json.loads(out)
+    assert j["batch_shares"] is None and j["simulated_speedup"] == pytest.approx(1.0)
+
+
+def test_cli_profile_measures_devices(capsys, tmp_path):
+    code, out, _ = run(capsys, "profile", "--size", "64", "--out", str(tmp_path / "p.json"))
+    j = json.loads(out)
+    assert code == 0 and len(j["devices"]) == 8 and all(d["speed"] > 0 for d in j["devices"])
+    assert spmd.Profile.load(str(tmp_path / "p.json")).speeds == tuple(float(d["speed"]) for d in j["devices"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--device-speeds", "3,3,1"], r"3 devices given but the mesh has 8"),
+        (["--device-speeds", "3,x,1,1,1,1,1,1"], r"--device-speeds '3,x,1,1,1,1,1,1': give one positive number"),
+        (["--device-speeds", "1,1,1,1,1,1,1,1", "--device-profile", "p.json"], r"either --device-profile or"),
+        (["--device-profile", "missing.json"], r"--device-profile 'missing.json': no such file"),
+        (["--device-memory", "1KiB", "--device-speeds", "2,1,1,1,1,1,1,1"], r"the model state alone needs"),
+        (["--device-speeds", "2,1,1,1,1,1,1,1", "--strategy", "fsdp", "--mesh", "fsdp=8"], r"needs a data axis"),
+    ],
+)
+def test_cli_profile_mistakes(capsys, extra, message):
+    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "data=8", "--batch-size", "40", *extra)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
