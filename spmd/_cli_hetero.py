@@ -16,6 +16,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", help="memory of each device (or one for all), e.g. 16GiB,16GiB,8GiB,...")
     p.add_argument("--device-profile", help="a JSON device profile (spmd profile writes one)")
     p.add_argument("--even", action="store_true", help="ignore the profile's speeds: the homogeneous split")
+    p.add_argument("--microbatch", type=int, default=1, help="uneven shares are multiples of this many examples")
 
 
 def profile_from_args(args: argparse.Namespace, devices: int) -> Any:
@@ -90,7 +91,13 @@ def apply(args: argparse.Namespace, model: Any, mesh: Any, plan: Any, profile: A
     if any(m is not None for m in profile.memory):
         state_bytes, example_bytes = _memory_per_example(args, model, axes, plan)
     shares = hetero.batch_shares(
-        args.batch_size, profile, axes, axis="data", state_bytes=state_bytes, example_bytes=example_bytes
+        args.batch_size,
+        profile,
+        axes,
+        axis="data",
+        state_bytes=state_bytes,
+        example_bytes=example_bytes,
+        granularity=args.microbatch,
     )
     return mesh, plan + hetero.uneven_data_parallel(shares), profile
 
@@ -114,36 +121,16 @@ def summary(args: argparse.Namespace, step: Any, report: Any, profile: Any) -> d
     their ratio, and the ideal ratio Σs / (N · min s)."""
     from strategies import hetero
 
-    plan, mesh = step.plan, step.mesh
-    axes = dict(mesh.shape)
-    modelled = report.modelled_step_time
-    rate = report.flops_per_device / max(modelled.compute_s, 1e-30)  # FLOP/s the cost model gives a device
-    out: dict[str, Any] = {}
-    if plan.pipeline is not None:
-        spec = plan.pipeline
-        speeds = hetero.rank_speeds(profile, axes, spec.axis)
-        relative = [s / max(speeds) for s in speeds]
-        layers, s = step.pipeline.placement.counts, spec.schedule
-        even = (sum(layers) // len(layers),) * len(layers) if sum(layers) % len(layers) == 0 else layers
-        # One layer's F, B or W for one microbatch: the whole step's FLOPs over 3 · layers · microbatches.
-        layer_s = report.flops_per_device * math.prod(axes.values()) / (3 * sum(layers) * s.microbatches) / rate
-        times = hetero.pipeline_step_times(s, even, layers, relative, layer_s)
-        out["layers_per_stage"] = list(layers)
-    else:
-        speeds = hetero.rank_speeds(profile, axes, "data")
-        relative = [s / max(speeds) for s in speeds]
-        shares = list(plan.uneven.shares) if plan.uneven else [args.batch_size / len(speeds)] * len(speeds)
-        # FLOPs per example: the report's average device does batch / ranks examples.
-        per_example_s = report.flops_per_device * len(speeds) / args.batch_size / rate
-        times = hetero.modelled_step_times(per_example_s, relative, shares, modelled.comm_s)
-        out["batch_shares"] = [int(x) for x in shares] if plan.uneven else None
-    out |= {
-        "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
-        "simulated_speedup": times["speedup"],
-        "ideal_speedup": times["ideal"],
-        "device_speeds": list(profile.speeds),
-    }
-    return out
+    layers = step.pipeline.placement.counts if step.pipeline is not None else None
+    return hetero.summary(
+        step.plan,
+        dict(step.mesh.shape),
+        profile,
+        args.batch_size,
+        report.flops_per_device,
+        report.modelled_step_time,
+        layers,
+    )
 
 
 def text(info: dict[str, Any]) -> str:

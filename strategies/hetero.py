@@ -10,7 +10,8 @@ Pure functions of a :class:`spmd.Profile` and the mesh sizes:
 - :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism)
   inside one device kind;
 - :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.UnevenData``);
-- :func:`modelled_step_times`: the cost model's step time of the even and the uneven split.
+- :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
+  :func:`summary` puts them together for a plan.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from spmd import Plan
 from spmd._profile import Profile
 from spmd._schedule import Schedule, simulate
 from spmd._shares import Shares
+from spmd.costmodel import StepTime
 
 __all__ = [
     "batch_shares",
@@ -34,6 +37,7 @@ __all__ = [
     "proportional_split",
     "rank_speeds",
     "stage_layers",
+    "summary",
     "uneven_data_parallel",
 ]
 
@@ -109,15 +113,21 @@ def batch_shares(
     axis: str = "data",
     state_bytes: int = 0,
     example_bytes: int = 0,
+    granularity: int = 1,
 ) -> tuple[int, ...]:
     """Examples of a ``batch`` per position along ``axis``, proportional to its speed; a position whose memory
     (its smallest device's) is known holds at most ``(memory − state_bytes) / example_bytes`` examples, so a
-    device with little memory gets less even if it is fast.
+    device with little memory gets less even if it is fast. Shares are multiples of ``granularity`` (the
+    microbatch the devices loop over: larger ones use a device better, smaller ones follow the speeds closer).
 
     >>> batch_shares(56, Profile.from_speeds([3, 3, 1, 1, 1, 1, 2, 2]), {"data": 8})
     (12, 12, 4, 4, 4, 4, 8, 8)
+    >>> batch_shares(256, Profile.from_speeds([4, 4, 2, 2, 2, 1, 1, 1]), {"data": 8}, granularity=8)
+    (56, 56, 32, 32, 32, 16, 16, 16)
     """
     profile.check(math.prod(mesh_axes.values()))
+    if granularity < 1 or batch % granularity:
+        raise ValueError(f"a batch of {batch} cannot be split into microbatches of {granularity}; pick a divisor")
     caps = []
     for memory in _rank_memory(profile, mesh_axes, axis):
         if memory is None or example_bytes <= 0:
@@ -129,7 +139,9 @@ def batch_shares(
                 f"shard the parameters (fsdp, zero3) or use devices with more memory"
             )
         caps.append((memory - state_bytes) // example_bytes)
-    return proportional_split(batch, rank_speeds(profile, mesh_axes, axis), caps=caps)
+    units = [None if c is None else c // granularity for c in caps]
+    split = proportional_split(batch // granularity, rank_speeds(profile, mesh_axes, axis), caps=units)
+    return tuple(granularity * s for s in split)
 
 
 def stage_layers(
@@ -208,3 +220,45 @@ def pipeline_step_times(
 
     t_even, t = makespan(even), makespan(counts)
     return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(speeds) / (p * min(speeds))}
+
+
+def summary(
+    plan: Plan,
+    mesh_axes: Mapping[str, int],
+    profile: Profile,
+    batch: int,
+    flops_per_device: float,
+    modelled: StepTime,
+    layers_per_stage: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """What a profile changes for ``plan``: its ``batch_shares`` (None when even) or ``layers_per_stage``, the
+    modelled step time of the even and of the uneven split, the speedup and the ideal Σs / (N · min s).
+
+    ``flops_per_device`` and ``modelled`` are the cost model's figures for the plan at the fastest device's speed
+    (``spmd.report`` or ``costmodel.estimate``); a device's speed scales its compute.
+    """
+    rate = flops_per_device / max(modelled.compute_s, 1e-30)  # FLOP/s the cost model gives the fastest device
+    out: dict[str, Any] = {}
+    if plan.pipeline is not None:
+        spec = plan.pipeline
+        speeds = rank_speeds(profile, mesh_axes, spec.axis)
+        layers = tuple(layers_per_stage or spec.layers_per_stage or ())
+        s, total = spec.schedule, sum(layers)
+        even = (total // len(layers),) * len(layers) if total % len(layers) == 0 else layers
+        # One layer's F, B or W for one microbatch: the whole step's FLOPs over 3 · layers · microbatches.
+        layer_s = flops_per_device * math.prod(mesh_axes.values()) / (3 * total * s.microbatches) / rate
+        times = pipeline_step_times(s, even, layers, [x / max(speeds) for x in speeds], layer_s)
+        out["layers_per_stage"] = list(layers)
+    else:
+        speeds = rank_speeds(profile, mesh_axes, "data")
+        shares = list(plan.uneven.shares) if plan.uneven else [batch / len(speeds)] * len(speeds)
+        # The cost model's average device does batch / ranks examples.
+        per_example_s = flops_per_device * len(speeds) / batch / rate
+        times = modelled_step_times(per_example_s, [x / max(speeds) for x in speeds], shares, modelled.comm_s)
+        out["batch_shares"] = list(plan.uneven.shares) if plan.uneven else None
+    return out | {
+        "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
+        "simulated_speedup": times["speedup"],
+        "ideal_speedup": times["ideal"],
+        "device_speeds": list(profile.speeds),
+    }

@@ -72,3 +72,13 @@ def test_pipeline_script():
         )  # the executed ticks idle as simulated
     # The compiled residual memory differs between schedules by exactly the input slots they keep.
     assert rows["1f1b"][-1].strip() == "1.000" and rows["zb-h1"][-1].strip() == "1.000", out
+
+
+@pytest.mark.slow
+def test_hetero_script():
+    out = run_script("hetero.py", "--model", "gpt-tiny", "--batch-size", "64", "--microbatches", "8")
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 6, out  # three clusters, data parallel and pipelined
+    for cells in rows:
+        speedup, ideal, ratio = (float(c) for c in cells[-3:])
+        assert 1.0 < speedup <= ideal + 1e-9 and ratio == pytest.approx(speedup / ideal, abs=1e-3), cells

@@ -151,6 +151,7 @@ def test_cli_profile_measures_devices(capsys, tmp_path):
         (["--device-profile", "missing.json"], r"--device-profile 'missing.json': no such file"),
         (["--device-memory", "1KiB", "--device-speeds", "2,1,1,1,1,1,1,1"], r"the model state alone needs"),
         (["--device-speeds", "2,1,1,1,1,1,1,1", "--strategy", "fsdp", "--mesh", "fsdp=8"], r"needs a data axis"),
+        (["--device-speeds", "2,1,1,1,1,1,1,1", "--microbatch", "3"], r"batch of 40 cannot be split into micro"),
     ],
 )
 def test_cli_profile_mistakes(capsys, extra, message):

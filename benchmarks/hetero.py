@@ -1,0 +1,94 @@
+"""Heterogeneous clusters: the cost model's step time of an even split and of a speed-proportional one.
+
+    python benchmarks/hetero.py [--model gpt-small] [--batch-size 256] [--device-kind h100]
+
+For clusters of 8 devices — 4 fast + 4 slow at 2:1 and at 3:1, and three kinds at 4:2:1 — it plans data
+parallelism (data=8: batch shares) and a pipeline (stage=4 × data=2, 1F1B: layers per stage), and prints the
+modelled step time of the even plan and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s).
+Nothing is compiled: the plans are laid out on abstract parameters (8 emulated devices) and priced by the cost
+model, with the fastest kind as ``--device-kind``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CLUSTERS = {
+    "4 fast + 4 slow, 2:1": [2, 2, 2, 2, 1, 1, 1, 1],
+    "4 fast + 4 slow, 3:1": [3, 3, 3, 3, 1, 1, 1, 1],
+    "3 kinds, 4:2:1": [4, 4, 2, 2, 2, 1, 1, 1],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--device-kind", default="h100")
+    args = parser.parse_args()
+    import spmd
+
+    spmd.emulate_devices(8)  # the plans are laid out on a mesh of 8 (emulated) devices; nothing runs
+
+    import jax
+    import optax
+    from rich.console import Console
+    from rich.table import Table
+
+    import strategies
+    from spmd import costmodel, models
+    from strategies import hetero
+
+    model = models.get(args.model)
+    hardware = costmodel.hardware(args.device_kind)
+    workload = costmodel.Workload(args.batch_size, model.config.seq_len)
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+
+    def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
+        mesh = spmd.make_mesh(axes)
+        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh, staged=model.staged)
+        layout = step.prepare(abstract)
+        flops = costmodel.flops_per_device(layout.params.leaves, plan, axes, workload)
+        traffic = costmodel.traffic(layout, plan, axes, workload)
+        return step, flops, costmodel.step_time(flops, traffic, hardware, axes)
+
+    table = Table(
+        title=f"{args.model}, batch {args.batch_size}, 8 devices, fastest = {args.device_kind}: modelled step time",
+        title_justify="left",
+    )
+    for col in ("cluster", "plan", "split", "even", "uneven", "speedup", "ideal", "speedup / ideal"):
+        table.add_column(col, justify="left" if col in ("cluster", "plan", "split") else "right")
+    for cluster, speeds in CLUSTERS.items():
+        profile = spmd.Profile.from_speeds(speeds)
+        data_axes = {"data": 8}
+        shares = hetero.batch_shares(args.batch_size, profile, data_axes)
+        plan = strategies.data_parallel() + hetero.uneven_data_parallel(shares)
+        _, flops, modelled = priced(strategies.data_parallel(), data_axes)
+        dp = hetero.summary(plan, data_axes, profile, args.batch_size, flops, modelled)
+        pp_axes = {"stage": 4, "data": 2}
+        counts = hetero.stage_layers(model.config.layers, profile, pp_axes)
+        options = strategies.PipelineOptions("1f1b", args.microbatches, 1, counts)
+        pp_plan = strategies.from_names("pp+dp", pp_axes, pipeline_options=options)
+        step, flops, modelled = priced(pp_plan, pp_axes)
+        pp = hetero.summary(pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.pipeline.placement.counts)
+        for name, info, split in (
+            ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
+            ("pp+dp, stage=4 × data=2", pp, f"layers {pp['layers_per_stage']}"),
+        ):
+            t = info["simulated_step_time"]
+            table.add_row(
+                cluster,
+                name,
+                split,
+                f"{t['even'] * 1e3:.3g} ms",
+                f"{t['hetero'] * 1e3:.3g} ms",
+                f"{info['simulated_speedup']:.3f}",
+                f"{info['ideal_speedup']:.3f}",
+                f"{info['simulated_speedup'] / info['ideal_speedup']:.3f}",
+            )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
