@@ -8,7 +8,8 @@ import json
 import math
 from typing import Any
 
-from spmd.cli import UsageError, parse_bytes
+from spmd._profile import parse_bytes
+from spmd.cli import UsageError
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

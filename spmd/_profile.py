@@ -13,11 +13,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Device", "Profile", "measure"]
+__all__ = ["Device", "Profile", "measure", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """A size like ``16GiB``, ``512MB`` or ``1048576``.
+
+    >>> parse_bytes("16GiB", "--memory-per-device"), parse_bytes("1.5MB", "--memory-per-device")
+    (17179869184, 1500000)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{flag} {text!r}: give a positive size like 16GiB, 512MiB or 4GB")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +120,6 @@ class Profile:
     def from_dict(cls, data: Mapping[str, Any]) -> Profile:
         """``{"devices": [{"kind": "h100", "speed": 3, "memory": 85899345920, "bandwidth": {"data": 4.5e11}}]}``
         (memory may also be a string like ``"80GiB"``)."""
-        from spmd.cli import parse_bytes
-
         entries = data.get("devices") if isinstance(data, Mapping) else None
         if not isinstance(entries, list) or not entries:
             raise ValueError('device profile: expected {"devices": [{"kind": ..., "speed": ...}, ...]}')
@@ -140,9 +154,9 @@ class Profile:
 
 
 def measure(devices: Sequence[Any] | None = None, *, size: int = 1024, repeats: int = 5) -> Profile:
-    """Times a ``size × size`` matmul on each device (its speed, relative to the fastest = 1 is not imposed:
-    speeds are in TFLOP/s) and an all-reduce over all of them (its bandwidth, bytes/s per device, recorded for
-    every device under the axis name ``"all"``)."""
+    """A profile of the devices present: each device's speed is the TFLOP/s of a ``size × size`` float32 matmul
+    on it (median of ``repeats``), its memory what the runtime reports, and its bandwidth the ring bandwidth of
+    an all-reduce over all the devices, recorded under the axis name ``"all"``."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -11,9 +11,10 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from spmd._profile import parse_bytes
+
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
 HARDWARE_KINDS = ("tpu-v5e", "tpu-v5p", "h100", "h200", "a100", "cpu")  # spmd.costmodel.HARDWARE's keys
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
 class UsageError(Exception):
@@ -162,21 +163,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
     if getattr(args, "axis_bandwidth", None) is not None:
         args.axis_bandwidth = _parse_bandwidth(args.axis_bandwidth)
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """A size like ``16GiB``, ``512MB`` or ``1048576``.
-
-    >>> parse_bytes("16GiB", "--memory-per-device"), parse_bytes("1.5MB", "--memory-per-device")
-    (17179869184, 1500000)
-    """
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise UsageError(f"{flag} {text!r}: give a positive size like 16GiB, 512MiB or 4GB")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _parse_bandwidth(text: str) -> dict[str, float]:
