@@ -125,6 +125,7 @@ def test_composes_with_tensor_parallelism_without_gathering_the_batch():
     assert ("all-to-all", ("expert",)) in kinds and not any(k == "all-gather" for k, _ in kinds), collectives
 
 
+@pytest.mark.slow  # the default tier checks ep's numerics through the API above
 def test_cli_run_check_and_loss_falls(capsys):
     # One CLI run serves two checks (each run compiles two training steps): Adam's loss falls on the Markov data
     # over 20 steps, and the expert-parallel run matches one device's (the check stays ~4e-6 over 20 steps).

@@ -115,6 +115,7 @@ def test_cli_run_uneven_pipeline_stages_checked(capsys):
     assert code == 0 and j["layers_per_stage"] == [3, 3, 1, 1] and j["max_abs_diff"] <= 1e-4
 
 
+@pytest.mark.slow  # shares and their caps are checked through the API in the default tier
 def test_cli_plan_json_and_memory(capsys, tmp_path):
     args = ["plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "56", "--json"]
     code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2")
