@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._schedule import PipelineSpec
 from spmd._shares import Shares
+from spmd._subnet import SubnetSpec
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 AxisEntry = Union[None, str, tuple[str, ...]]  # noqa: UP007 (a runtime alias)
@@ -270,6 +271,7 @@ class Plan:
     remat: bool = False  # rematerialise each layer in the backward pass (FSDP: re-gather rather than keep weights)
     pipeline: PipelineSpec | None = None  # stages on a mesh axis, run by a schedule (strategies.pipeline)
     uneven: Shares | None = None  # uneven batch shares over the data axis (strategies.hetero)
+    subnet: SubnetSpec | None = None  # each data-parallel worker trains its subnetwork (strategies.subnetwork_dp)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -317,6 +319,10 @@ class Plan:
     def __add__(self, other: Plan) -> Plan:
         if not isinstance(other, Plan):
             return NotImplemented
+        if self.subnet and other.subnet and self.subnet != other.subnet:
+            raise PlanError(f"two subnetwork parts in one plan: {self.subnet.describe()} and {other.subnet.describe()}")
+        if (self.subnet or other.subnet) and (self.pipeline or other.pipeline or self.uneven or other.uneven):
+            raise PlanError("subnetwork data parallelism does not combine with a pipeline or uneven shares")
         if self.uneven and other.uneven and self.uneven != other.uneven:
             raise PlanError(f"two uneven splits in one plan: {self.uneven.describe()} and {other.uneven.describe()}")
         if (self.pipeline or other.pipeline) and (self.uneven or other.uneven):
@@ -337,6 +343,7 @@ class Plan:
             remat=self.remat or other.remat,
             pipeline=self.pipeline or other.pipeline,
             uneven=self.uneven or other.uneven,
+            subnet=self.subnet or other.subnet,
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -385,15 +392,16 @@ class Plan:
                 parts.append(f"{part.source}({options})")
                 if part.applies_to != ROLES:
                     parts[-1] = parts[-1][:-1] + f", {'+'.join(part.applies_to)} only)"
-            elif part.source not in parts and not (self.pipeline and part.source == "pipeline"):
+            elif part.source not in parts and part.source not in ("pipeline", "sdp"):
                 parts.append(part.source)  # (a pipeline's own rule is described with the pipeline below)
         batch = ",".join(self.batch_axes) or "replicated"
         remat = "; layers rematerialised" if self.remat else ""
         pipeline = f"; {self.pipeline.describe()}" if self.pipeline else ""
         pipeline += f"; {self.uneven.describe()}" if self.uneven else ""
+        pipeline += f"; {self.subnet.describe()}" if self.subnet else ""
         return (
             f"batch over {batch}"
-            + (f"; {' + '.join(parts)}" if parts else "" if self.pipeline else "; parameters replicated")
+            + (f"; {' + '.join(parts)}" if parts else "" if self.pipeline or self.subnet else "; parameters replicated")
             + remat
             + pipeline
         )

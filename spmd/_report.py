@@ -49,6 +49,7 @@ class Report:
     flops_per_device: float = 0.0
     modelled_step_time: StepTime | None = None
     pipeline: dict[str, Any] | None = None  # the schedule's figures (spmd.Pipeline.summary), for pipeline plans
+    subnet: dict[str, Any] | None = None  # who owns what (spmd.Subnetworks.summary), for subnetwork plans
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
@@ -74,6 +75,7 @@ class Report:
             "flops_per_device": self.flops_per_device,
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "pipeline": self.pipeline,
+            "subnet": self.subnet,
             "warnings": list(self.warnings),
         }
 
@@ -140,6 +142,18 @@ class Report:
                 f"executed in {pl['ticks']} ticks with {pl['slots']} input slots of "
                 f"{format_bytes(pl['slot_bytes'])} per device"
             )
+        if self.subnet:
+            s = self.subnet
+            kept = (
+                f"{format_bytes(s['owned_param_bytes'])} of owned parameters and "
+                f"{format_bytes(s['shared_param_bytes'])} shared by all"
+                if s["masking"] == "forward"
+                else f"the full parameters, {format_bytes(s['owned_grad_bytes'])} of owned gradients"
+            )
+            parts.append(
+                f"subnetworks: {s['parts']} parts ({s['granularity']}: {s['groups']}), each owned by "
+                f"{s['owners_per_group']} workers {s['owner_groups']}; per device {kept}"
+            )
         parts += [f"note: {n}" for n in self.plan.notes]
         parts += [f"[yellow]warning:[/] {w}" for w in self.warnings]
         return Group(*parts)
@@ -203,6 +217,14 @@ def report(
         extra = costmodel.pipeline_traffic(pipeline.program.ticks, message_bytes, outer, plan.pipeline.axis, mesh.shape)
         analytic = costmodel.merge_traffic([*analytic, *extra])
         summary = {**pipeline.summary(), "slot_bytes": message_bytes}
+    subnet = None
+    if step.subnet is not None:
+        # The reductions follow the ownership, not the layouts: the subnetwork's own figures replace data
+        # parallelism's.
+        subnet = step.subnet.summary(layout)
+        activations = costmodel.activation_traffic(layout, plan, mesh.shape, workload)
+        own = costmodel.subnet_traffic(subnet, plan.subnet.axis, masking=plan.subnet.masking)
+        analytic = costmodel.merge_traffic([*activations, *own])
     analytic = tuple(analytic)
     state = costmodel.model_state_bytes(layout)
     batch_ways = math.prod(mesh.shape[a] for a in plan.batch_axes)
@@ -265,6 +287,7 @@ def report(
         flops_per_device=flops,
         modelled_step_time=costmodel.step_time(flops, analytic, hw, mesh.shape),
         pipeline=summary,
+        subnet=subnet,
     )
 
 

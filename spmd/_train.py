@@ -16,6 +16,7 @@ from spmd._context import activate
 from spmd._pipeline import Pipeline, StagedModel
 from spmd._plan import Layout, LeafLayout, Plan, PlanError
 from spmd._shares import UnevenData
+from spmd._subnet import Subnetworks
 from spmd._tree import leaves_with_paths, unbox
 
 
@@ -42,10 +43,18 @@ class StateLayout:
 
 
 def resolve_state(
-    plan: Plan, annotated_params: Any, optimizer: optax.GradientTransformation, mesh: Mesh | Mapping[str, int]
+    plan: Plan,
+    annotated_params: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | Mapping[str, int],
+    *,
+    trained: Any = None,
 ) -> StateLayout:
     """Applies ``plan`` to (abstract, possibly annotated) parameters and the optimizer state they imply, on a mesh
     or on mesh sizes alone (no devices needed: the cost model plans for meshes that are not present).
+
+    ``trained``: the arrays the gradients and the optimizer state are kept for, when they are not the stored
+    parameters themselves (subnetwork data parallelism with backward masking keeps them per part).
 
     >>> import spmd, optax, jax
     >>> params = {"w": jax.ShapeDtypeStruct((64, 64), "float32")}
@@ -53,12 +62,13 @@ def resolve_state(
     >>> [len(layout.params.leaves), len(layout.opt_state.leaves)]  # Adam: a count and two moments
     [1, 3]
     """
+    trained = annotated_params if trained is None else trained
     params = plan.resolve(annotated_params, mesh)
-    grads = plan.resolve(annotated_params, mesh, role="grads")
-    moments = plan.resolve(annotated_params, mesh, role="optimizer")
-    # The optimizer state mirrors the stored (block-padded) parameters.
-    opt_abstract = jax.eval_shape(optimizer.init, stored_abstract(params))
-    opt_state = plan.resolve(opt_abstract, mesh, params=annotated_params)
+    grads = plan.resolve(trained, mesh, role="grads")
+    moments = plan.resolve(trained, mesh, role="optimizer")
+    # The optimizer state mirrors the stored (block-padded) arrays it trains.
+    opt_abstract = jax.eval_shape(optimizer.init, stored_abstract(params if trained is annotated_params else grads))
+    opt_state = plan.resolve(opt_abstract, mesh, params=trained)
     return StateLayout(params, grads, opt_state, moments)
 
 
@@ -139,6 +149,7 @@ class TrainStep:
         *,
         donate: bool = True,
         staged: StagedModel | None = None,
+        narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None = None,
     ) -> None:
         plan.check_mesh(mesh)
         if plan.pipeline is not None and staged is None:
@@ -150,6 +161,15 @@ class TrainStep:
         self.donate, self.staged = donate, staged
         self.pipeline: Pipeline | None = None
         self.uneven = UnevenData(loss_fn, plan.uneven, mesh) if plan.uneven is not None else None
+        self.subnet: Subnetworks | None = None
+        if plan.subnet is not None:
+            if plan.subnet.masking == "forward" and narrow is None:
+                raise PlanError(
+                    "subnetwork data parallelism with forward masking runs each worker's narrowed model: pass "
+                    "narrow=lambda kept: loss of the model narrowed to kept (spmd.models.narrowed does it for the "
+                    "built-in GPTs), or use masking='backward'"
+                )
+            self.subnet = Subnetworks(plan.subnet, mesh, loss_fn, narrow)
         self.layout: StateLayout | None = None
         self.compiled: jax.stages.Compiled | None = None
         self._batch_shardings: Any = None
@@ -160,12 +180,18 @@ class TrainStep:
 
         A pipeline plan stores the stacked layers per stage (``[stage, chunk, layer, ...]``, see
         :class:`spmd.Pipeline`); :meth:`params_of` gives them back in the model's own layout."""
+        trained = None
         if self.plan.pipeline is not None:
             self.pipeline = Pipeline(
                 self.staged, self.plan.pipeline, self.mesh, layers=_layers(annotated_params, self.staged)
             )
             annotated_params = self.pipeline.stack(annotated_params)
-        layout = resolve_state(self.plan, annotated_params, self.optimizer, self.mesh)
+        if self.subnet is not None:
+            self.subnet.prepare(annotated_params)
+            trained = self.subnet.own(annotated_params)
+            if self.subnet.spec.masking == "forward":
+                annotated_params, trained = trained, None
+        layout = resolve_state(self.plan, annotated_params, self.optimizer, self.mesh, trained=trained)
         named = lambda specs: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
@@ -183,8 +209,14 @@ class TrainStep:
             params = init_fn(rng)
             if self.pipeline is not None:
                 params = self.pipeline.stack(params)
+            trained = None
+            if self.subnet is not None:
+                trained = unbox(self.subnet.own(params))
+                if self.subnet.spec.masking == "forward":
+                    params, trained = trained, None
             params = pad(unbox(params), self.layout.params)
-            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+            opt_state = self.optimizer.init(params if trained is None else trained)
+            return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
         return jax.jit(create, out_shardings=self.layout.shardings)
 
@@ -206,6 +238,10 @@ class TrainStep:
             elif self.uneven is not None:
                 loss, grads = self.uneven.value_and_grad(unpad(state.params, self.layout.params), batch)
                 grads = pad(grads, self.layout.params)
+            elif self.subnet is not None and self.subnet.spec.masking == "backward":
+                return self._backward_masked(state, batch)
+            elif self.subnet is not None:
+                loss, grads = self.subnet.value_and_grad(state.params, batch)
             else:
                 loss_of_stored = lambda params: self.loss_fn(unpad(params, self.layout.params), batch)  # noqa: E731
                 loss, grads = jax.value_and_grad(loss_of_stored)(state.params)
@@ -214,6 +250,15 @@ class TrainStep:
         grads = jax.lax.with_sharding_constraint(grads, self.layout.grad_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), loss
+
+    def _backward_masked(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
+        # Every worker keeps the full parameters; the owners update their parts with the part's optimizer state,
+        # and the updated parts are gathered back into the full parameters.
+        with activate(self.plan, self.mesh):
+            loss, grads, mine = self.subnet.full_value_and_grad(state.params, batch)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, mine)
+        params = self.subnet.rebuild(optax.apply_updates(mine, updates))
         return TrainState(state.step + 1, params, opt_state), loss
 
     @property
@@ -229,6 +274,8 @@ class TrainStep:
         """The model's parameters from a training state: block-aligned padding sliced off."""
         self._need_layout()
         params = unpad(state.params, self.layout.params)
+        if self.subnet is not None and self.subnet.spec.masking == "forward":
+            return self.subnet.full(params)
         return params if self.pipeline is None else self.pipeline.unstack(params)
 
     def batch_shardings(self, batch: Any) -> Any:
@@ -291,9 +338,11 @@ def train_step(
     *,
     donate: bool = True,
     staged: StagedModel | None = None,
+    narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None = None,
 ) -> TrainStep:
-    """Builds a :class:`TrainStep` (see there for an example); a pipeline plan needs ``staged``."""
-    return TrainStep(loss_fn, optimizer, plan, mesh, donate=donate, staged=staged)
+    """Builds a :class:`TrainStep` (see there for an example); a pipeline plan needs ``staged``, a subnetwork
+    plan with forward masking ``narrow``."""
+    return TrainStep(loss_fn, optimizer, plan, mesh, donate=donate, staged=staged, narrow=narrow)
 
 
 def _layers(annotated_params: Any, staged: StagedModel) -> int:

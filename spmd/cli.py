@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
         pipeline_flags(p)
+        p.add_argument("--coverage", type=float, default=0.5, help="sdp: share of the model each worker owns (1/P)")
+        p.add_argument("--granularity", default="block", help="sdp: block (whole layers) or neuron (units, heads)")
+        p.add_argument("--masking", default="forward", help="sdp: forward (run only the subnetwork) or backward")
         from spmd import _cli_hetero
 
         _cli_hetero.add_flags(p)
@@ -227,7 +230,14 @@ def _setup(
         if hasattr(args, "schedule")
         else None
     )
-    plan = strategies.from_names(strategy, dict(mesh.shape), context=context, pipeline_options=options)
+    subnet = (
+        strategies.SubnetOptions(args.coverage, args.granularity, args.masking, args.seed)
+        if hasattr(args, "coverage")
+        else None
+    )
+    plan = strategies.from_names(
+        strategy, dict(mesh.shape), context=context, pipeline_options=options, subnet_options=subnet
+    )
     if plan.pipeline and model.staged is None:
         raise UsageError(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
@@ -291,7 +301,11 @@ def _trainer(model: Any, plan: Any, mesh: Any, args: argparse.Namespace) -> Any:
     from spmd import models
 
     staged = model.staged if plan.pipeline else None
-    return spmd.train_step(models.loss_fn(model), _optimizer(args), plan, mesh, staged=staged)
+    narrow = None
+    if plan.subnet is not None and plan.subnet.masking == "forward":
+        models.narrowed(model, {})  # says which models cannot be narrowed, before anything is compiled
+        narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
+    return spmd.train_step(models.loss_fn(model), _optimizer(args), plan, mesh, staged=staged, narrow=narrow)
 
 
 def _batch(model: Any, seed: int, step: int, batch_size: int) -> dict[str, Any]:
@@ -380,14 +394,17 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from spmd import costmodel
+
     model, mesh, plan, profile = _setup(args)
-    losses, params, _ = _train(model, plan, mesh, args, label=args.strategy, quiet=args.json)
+    losses, params, step = _train(model, plan, mesh, args, label=args.strategy, quiet=args.json)
     out: dict[str, Any] = {
         "model": model.name,
         "mesh": dict(mesh.shape),
         "strategy": args.strategy,
         "plan": plan.describe(),
         "losses": losses,
+        "per_device_bytes": costmodel.model_state_bytes(step.layout),
     }
     if plan.uneven is not None:
         out["batch_shares"] = list(plan.uneven.shares)

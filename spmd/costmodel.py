@@ -51,6 +51,7 @@ __all__ = [
     "padding_bytes",
     "pipeline_traffic",
     "step_time",
+    "subnet_traffic",
     "traffic",
 ]
 
@@ -246,6 +247,28 @@ def pipeline_traffic(
     totals.add("collective-permute", (axis,), 2 * ticks * message_bytes, 2 * ticks)
     totals.add("all-reduce", (axis,), outer_bytes)
     return totals.result()
+
+
+def subnet_traffic(summary: Mapping[str, Any], axis: str, *, masking: str) -> list[Traffic]:
+    """Subnetwork data parallelism's gradient reductions per step (``summary``: ``spmd.Subnetworks.summary``):
+    shared parameters' gradients all-reduced over all workers, each part's over its owners only; with backward
+    masking also the updated parts put back into every worker's full parameters (an all-reduce of the grouped
+    parameters over all workers).
+
+    >>> s = {"owned_grad_bytes": 100, "shared_grad_bytes": 0, "owners_per_group": 4, "parts": 2}
+    >>> [(t.kind, t.traffic_bytes) for t in subnet_traffic(s, "data", masking="forward")]
+    [('all-reduce', 150.0)]
+    """
+    n, parts = summary["owners_per_group"], summary["parts"]
+    workers, owned, shared = n * parts, summary["owned_grad_bytes"], summary["shared_grad_bytes"]
+    ring = lambda n, b: 2 * (n - 1) / n * b  # noqa: E731
+    out = [Traffic("all-reduce", (axis,), shared, ring(workers, shared))] if shared and workers > 1 else []
+    if n > 1:
+        out.append(Traffic("all-reduce", (axis,), owned, ring(n, owned)))
+    if masking == "backward":
+        grouped = owned * parts  # every part's groups, in the full parameters
+        out.append(Traffic("all-reduce", (axis,), grouped, ring(workers, grouped)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- matmuls

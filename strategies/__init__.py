@@ -18,6 +18,7 @@ from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
 from strategies.osdp import osdp
 from strategies.pipeline import SCHEDULES, pipeline, pipeline_schedule
+from strategies.subnet import subnetwork_dp
 from strategies.tensor import choose_tensor_2d, sequence_parallel, tensor_parallel, tensor_parallel_2d
 from strategies.zero import hsdp, zero1, zero2, zero3
 
@@ -37,6 +38,8 @@ __all__ = [
     "pipeline",
     "pipeline_schedule",
     "sequence_parallel",
+    "SubnetOptions",
+    "subnetwork_dp",
     "tensor_parallel",
     "tensor_parallel_2d",
     "zero1",
@@ -96,6 +99,17 @@ class PipelineOptions:
 
 PIPELINE_AXIS = "stage"
 
+
+@dataclasses.dataclass(frozen=True)
+class SubnetOptions:
+    """How ``sdp`` cuts the model (see :func:`subnetwork_dp`)."""
+
+    coverage: float = 0.5
+    granularity: str = "block"
+    masking: str = "forward"
+    seed: int = 0
+
+
 CHOSEN: dict[str, Callable[[Plan, Mapping[str, int], Context], Plan]] = {
     "tp2d": lambda base, mesh_axes, ctx: choose_tensor_2d(
         ctx.params, mesh_axes, ctx.workload, ctx.hardware, base=base, optimizer=ctx.optimizer
@@ -110,6 +124,7 @@ def from_names(
     *,
     context: Context | None = None,
     pipeline_options: PipelineOptions | None = None,
+    subnet_options: SubnetOptions | None = None,
 ) -> Plan:
     """Composes registry strategies named like ``"dp+fsdp+tp"`` into one plan; names in :data:`CHOSEN` are
     applied last and need ``mesh_axes`` and a ``context``; ``pp`` needs ``mesh_axes`` (its ``stage`` axis).
@@ -120,11 +135,11 @@ def from_names(
     'pipeline zb-h1 over stage (4 stages, 8 microbatches)'
     """
     names = [n.strip() for n in spec.split("+")]
-    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN and n != "pp"]
+    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN and n not in ("pp", "sdp")]
     if unknown or not names:
         raise ValueError(
             f"--strategy {spec!r}: unknown strategy {unknown[0] if unknown else ''!r}; "
-            f"choose from {', '.join([*REGISTRY, 'pp', *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
+            f"choose from {', '.join([*REGISTRY, 'pp', 'sdp', *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"--strategy {spec!r}: a strategy appears twice; name each once")
@@ -134,6 +149,9 @@ def from_names(
             plan = plan + REGISTRY[name]()
     if "pp" in names:
         plan = plan + _pipeline(mesh_axes, pipeline_options or PipelineOptions())
+    if "sdp" in names:
+        o = subnet_options or SubnetOptions()
+        plan = plan + subnetwork_dp(coverage=o.coverage, granularity=o.granularity, masking=o.masking, seed=o.seed)
     chosen = [n for n in names if n in CHOSEN]
     if chosen and (context is None or mesh_axes is None):
         raise ValueError(

@@ -64,7 +64,7 @@ from spmd._pipeline import StagedModel
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
 
-__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "next_token_loss", "unbox"]
+__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "narrowed", "next_token_loss", "unbox"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,17 +288,43 @@ def _gpt(config: LMConfig) -> nn.Module:
     return GPT(config)
 
 
+def _gpt_model(name: str, config: LMConfig) -> Model:
+    from spmd.models import gpt
+
+    model = from_module(_gpt(config), name=name, config=config, check=False)
+    return dataclasses.replace(model, staged=gpt.staged(config, next_token_loss))
+
+
 def _gpt_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
-    linen = _linen_factory(name, defaults, _gpt)
-
     def factory(**overrides: Any) -> Model:
-        from spmd.models import gpt
+        return _gpt_model(name, _config(name, defaults, overrides))
 
-        model = linen(**overrides)
-        return dataclasses.replace(model, staged=gpt.staged(model.config, next_token_loss))
-
-    factory.__doc__ = linen.__doc__
+    factory.__doc__ = f"The built-in {name!r} model (linen); keyword overrides are LMConfig fields."
     return factory
+
+
+# Logical dimension names a subnetwork can narrow, and the LMConfig field each is.
+NARROWABLE = {"layers": "layers", "mlp": "mlp", "heads": "heads"}
+
+
+def narrowed(model: Model, sizes: Mapping[str, int]) -> Model:
+    """``model`` with logical dimensions narrowed (a subnetwork keeping some blocks, hidden units or heads):
+    ``sizes`` maps ``"layers"``, ``"mlp"`` or ``"heads"`` to the number kept. Heads keep their width.
+
+    >>> narrowed(get("gpt-tiny"), {"mlp": 128, "heads": 2}).config.head_dim
+    16
+    """
+    if model.staged is None or model.kind != "linen" or not model.name.startswith("gpt"):
+        raise ValueError(
+            f"model {model.name!r} cannot be narrowed to a subnetwork; the built-in linen GPTs (gpt-tiny, gpt-small) "
+            f"can"
+        )
+    unknown = sorted(set(sizes) - set(NARROWABLE))
+    if unknown:
+        raise ValueError(f"narrowed: cannot narrow {unknown}; choose from {sorted(NARROWABLE)}")
+    fields = {NARROWABLE[k]: int(v) for k, v in sizes.items()}
+    config = dataclasses.replace(model.config, head_size=model.config.head_dim, **fields)
+    return _gpt_model(model.name, config)
 
 
 def _mlp(config: LMConfig) -> nn.Module:

@@ -35,16 +35,17 @@ class LMConfig:
     layers: int = 8
     remat: bool = False
     dtype: Any = jnp.float32
+    head_size: int | None = None  # the width of a head when it is not d_model // heads (a subnetwork's heads)
 
     def __post_init__(self) -> None:
         for field in ("vocab", "seq_len", "d_model", "heads", "mlp", "layers"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"LMConfig: {field} must be a positive integer, got {value!r}")
-        if self.d_model % self.heads:
+        if self.head_size is None and self.d_model % self.heads:
             raise ValueError(f"LMConfig: d_model ({self.d_model}) must be divisible by heads ({self.heads})")
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head: ``d_model // heads``."""
-        return self.d_model // self.heads
+        """Width of one attention head: ``head_size`` if set, else ``d_model // heads``."""
+        return self.head_size or self.d_model // self.heads

@@ -1,0 +1,383 @@
+"""Subnetwork data parallelism (SDP, Singh et al.): each data-parallel worker trains, and stores, only its
+subnetwork.
+
+The parameter groups are whole blocks (``granularity="block"``: the stacked layers) or, in every layer, MLP
+hidden units and attention heads (``"neuron"``). With coverage ``C = 1/P`` the groups are cut into ``P`` equal
+parts (a seeded permutation; per layer for neurons) and the workers into ``P`` equal owner groups (a seeded
+permutation): every group has ``W/P`` owners, every worker holds the same share, and the ownership is a pure
+function of the seed. Parameters outside any group (embeddings, norms, the head) are shared by all workers.
+
+Each step a group's gradient is the mean of its owners' gradients, ``g_p = Σ_{i owns p} g_ip / |owners(p)|``,
+and a shared parameter's the mean over all workers. The owners of a part are exactly one owner group, so that
+mean is one ``psum`` over the group's devices (``axis_index_groups``): the reduction moves ``C`` of what data
+parallelism moves.
+
+- ``masking="forward"``: each worker runs only its subnetwork (the model narrowed to its blocks, or to its units
+  and heads), forward and backward. Owned arrays are stored ``[worker, ...]`` with the leading dimension split
+  over the data axis: a device holds only its part, and its gradients and optimizer state.
+- ``masking="backward"``: every worker runs the full model and keeps all parameters; only the owned gradients
+  are reduced and applied, so gradients and optimizer state are stored per part, and the updated parts are
+  gathered back into the full parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, PartitionSpec
+
+from spmd._tree import _key, is_box
+
+__all__ = ["Ownership", "SubnetSpec", "Subnetworks", "ownership"]
+
+GRANULARITIES = ("block", "neuron")
+MASKINGS = ("forward", "backward")
+NEURON_DIMS = ("mlp", "heads")  # the logical dimensions neuron-level groups cut
+
+
+@dataclasses.dataclass(frozen=True)
+class SubnetSpec:
+    """The subnetwork part of a plan (plain data)."""
+
+    axis: str = "data"
+    coverage: float = 0.5
+    granularity: str = "block"
+    masking: str = "forward"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"sdp: granularity {self.granularity!r}; choose from {', '.join(GRANULARITIES)}")
+        if self.masking not in MASKINGS:
+            raise ValueError(f"sdp: masking {self.masking!r}; choose from {', '.join(MASKINGS)}")
+        if not 0 < self.coverage <= 1:
+            raise ValueError(f"sdp: coverage must be in (0, 1], got {self.coverage}")
+
+    @property
+    def parts(self) -> int:
+        """P: how many disjoint subnetworks the groups are cut into (coverage 1/P)."""
+        parts = round(1 / self.coverage)
+        if not math.isclose(parts * self.coverage, 1.0, rel_tol=1e-9):
+            raise ValueError(
+                f"sdp: coverage {self.coverage:g} is not 1/P for a whole number P (each worker owns one of P equal "
+                f"parts); use 1, 0.5, 0.25, 0.125, ..."
+            )
+        return parts
+
+    def describe(self) -> str:
+        return f"subnetworks over {self.axis} (coverage {self.coverage:g}, {self.granularity}, {self.masking} masking)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ownership:
+    """Who owns what: ``part_of[w]`` is worker ``w``'s part; ``index[name][g]`` the groups part ``g`` owns along
+    the logical dimension ``name`` (``[k]`` for blocks, ``[layers, k]`` for neurons), ascending."""
+
+    workers: int
+    parts: int
+    part_of: tuple[int, ...]
+    index: Mapping[str, np.ndarray]
+
+    @property
+    def owner_groups(self) -> list[list[int]]:
+        """The workers of each part: the devices one gradient reduction spans."""
+        return [[w for w in range(self.workers) if self.part_of[w] == g] for g in range(self.parts)]
+
+    def mask(self, name: str, layer: int = 0) -> np.ndarray:
+        """The worker × group ownership matrix M along ``name`` (in ``layer`` for neuron groups)."""
+        index = self.index[name] if name == "layers" else self.index[name][:, layer]
+        m = np.zeros((self.workers, index.size), bool)
+        for w in range(self.workers):
+            m[w, index[self.part_of[w]]] = True
+        return m
+
+
+def ownership(spec: SubnetSpec, workers: int, sizes: Mapping[str, int], layers: int) -> Ownership:
+    """The balanced ownership of groups of the given ``sizes`` (``{"layers": L}`` for blocks, ``{"mlp": U,
+    "heads": H}`` for neurons, in each of ``layers``) among ``workers``: a pure function of ``spec.seed``.
+
+    >>> o = ownership(SubnetSpec(coverage=0.5), 4, {"layers": 4}, 4)
+    >>> o.owner_groups, o.mask("layers").sum(axis=0).tolist()  # every block owned by 2 workers
+    ([[1, 2], [0, 3]], [2, 2, 2, 2])
+    """
+    parts = spec.parts
+    if workers % parts:
+        raise ValueError(
+            f"sdp: coverage {spec.coverage:g} cuts the model into {parts} parts, which {workers} workers cannot share "
+            f"equally; use a coverage 1/P with P dividing {workers}"
+        )
+    rng = np.random.default_rng(spec.seed)
+    order = rng.permutation(workers)
+    part_of = tuple(int(np.flatnonzero(order == w)[0]) % parts for w in range(workers))
+    index = {}
+    for name, size in sizes.items():
+        if size % parts:
+            raise ValueError(
+                f"sdp: {size} {name} do not split into {parts} equal parts (coverage {spec.coverage:g}); use a "
+                f"coverage 1/P with P dividing {size}"
+            )
+        k = size // parts
+
+        def cut(perm: np.ndarray, k: int = k) -> np.ndarray:
+            return np.stack([np.sort(perm[g * k : (g + 1) * k]) for g in range(parts)])
+
+        if name == "layers":
+            index[name] = cut(rng.permutation(size))  # [parts, k]
+        else:
+            index[name] = np.stack([cut(rng.permutation(size)) for _ in range(layers)], axis=1)  # [parts, layers, k]
+    return Ownership(workers, parts, part_of, index)
+
+
+class Subnetworks:
+    """The executor: lays parameters out per part, and computes SDP's gradients.
+
+    ``loss_fn`` is the full model's loss; ``narrow(kept)`` gives the loss of the model narrowed to ``kept``
+    groups per logical dimension (``{"layers": k}`` or ``{"mlp": k, "heads": k}``), for forward masking."""
+
+    def __init__(
+        self,
+        spec: SubnetSpec,
+        mesh: Mesh,
+        loss_fn: Callable[[Any, Any], jax.Array],
+        narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]],
+        layers_key: tuple[str, ...] = ("params", "layers"),
+    ) -> None:
+        if spec.axis not in mesh.shape:
+            raise ValueError(f"sdp: the mesh has no axis {spec.axis!r} ({dict(mesh.shape)}); add the data axis")
+        self.spec, self.mesh, self.loss_fn, self.narrow, self.layers_key = spec, mesh, loss_fn, narrow, layers_key
+        self.owners: Ownership | None = None
+        self.names: dict[str, tuple[str | None, ...] | None] = {}  # per path, the model's logical names
+        self.sizes: dict[str, int] = {}
+
+    # -- which arrays are grouped ----------------------------------------------------------------------------
+    def _dim(self, path: str) -> str | None:
+        """The logical dimension along which the array at ``path`` is cut into groups; None when shared."""
+        if not path.startswith("/".join(self.layers_key) + "/"):
+            return None
+        if self.spec.granularity == "block":
+            return "layers"
+        names = self.names.get(path)
+        return next((n for n in NEURON_DIMS if names and n in names), None)
+
+    def _map(self, f: Callable[[str, Any], Any], tree: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
+        return jax.tree_util.tree_unflatten(treedef, [f("/".join(_key(k) for k in path), x) for path, x in flat])
+
+    def prepare(self, annotated_params: Any) -> None:
+        """Reads names and group sizes off the (abstract, annotated) parameters and fixes the ownership."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(annotated_params, is_leaf=is_box)
+        self.names = {
+            "/".join(_key(k) for k in path): tuple(x.names) if is_box(x) and hasattr(x, "names") else None
+            for path, x in flat
+        }
+        sizes: dict[str, int] = {}
+        layers = 0
+        for path, x in flat:
+            path = "/".join(_key(k) for k in path)
+            dim = self._dim(path)
+            if dim is None:
+                continue
+            shape = np.shape(x.value if is_box(x) else x)
+            layers = shape[0]
+            size = shape[0] if dim == "layers" else shape[self.names[path].index(dim)]
+            if sizes.setdefault(dim, size) != size:
+                raise ValueError(f"sdp: {path} has {size} {dim} but another array has {sizes[dim]}")
+        if not sizes:
+            raise ValueError(
+                f"sdp: no {self.spec.granularity} groups in the parameters (stacked layers at "
+                f"{'/'.join(self.layers_key)}; neurons need logical names mlp/heads)"
+            )
+        self.sizes = sizes
+        self.owners = ownership(self.spec, self.mesh.shape[self.spec.axis], sizes, layers)
+
+    @property
+    def kept(self) -> dict[str, int]:
+        """Groups a worker keeps along each grouped dimension."""
+        return {name: size // self.owners.parts for name, size in self.sizes.items()}
+
+    # -- layouts ------------------------------------------------------------------------------------------
+    def _take(self, path: str, x: jax.Array, parts: np.ndarray | jax.Array) -> jax.Array:
+        """``[n, ...]``: for each of ``parts``, the groups it owns of the array ``x`` (full layout)."""
+        dim = self._dim(path)
+        index = jnp.asarray(self.owners.index[dim])[parts]  # [n, k] for blocks, [n, layers, k] for neurons
+        if dim == "layers":
+            return jnp.take(x, index, axis=0)
+        axis = self.names[path].index(dim)  # >= 1: the leading dimension is the layer
+        shape = [index.shape[0], index.shape[1]] + [1] * (x.ndim - 1)
+        shape[1 + axis] = index.shape[2]
+        return jnp.take_along_axis(x[None], index.reshape(shape), axis=1 + axis)
+
+    def own(self, params: Any) -> Any:
+        """Owned arrays laid out ``[worker, ...]`` (each worker's copy of its part); shared ones unchanged.
+        Boxes (and abstract arrays, for planning) carry logical names with ``"worker"`` in front, which a plan
+        maps to the data axis; plain arrays stay plain."""
+        part_of = np.asarray(self.owners.part_of)
+
+        def one(path: str, x: Any) -> Any:
+            if self._dim(path) is None:
+                return x
+            value = x.value if is_box(x) else x
+            stack = lambda v: self._take(path, v, part_of)  # noqa: E731
+            abstract = isinstance(value, jax.ShapeDtypeStruct)
+            value = jax.eval_shape(stack, value) if abstract else stack(value)
+            names = ("worker",) + (self.names.get(path) or (None,) * (len(value.shape) - 1))
+            if is_box(x):
+                return x.replace(value=value, names=names)
+            return nn.LogicallyPartitioned(value, names) if abstract else value
+
+        return self._map(one, params)
+
+    def full(self, owned: Any) -> Any:
+        """The model's layout from the owned one: each group taken from its part's first owner."""
+        first = [self.owners.part_of.index(g) for g in range(self.owners.parts)]
+
+        def one(path: str, x: jax.Array) -> jax.Array:
+            dim = self._dim(path)
+            if dim is None:
+                return x
+            index = self.owners.index[dim]  # [parts, k] or [parts, layers, k]
+            if dim == "layers":
+                order = np.argsort(index.reshape(-1))
+                return jnp.take(jnp.concatenate([x[w] for w in first], axis=0), order, axis=0)
+            axis = self.names[path].index(dim)
+            order = np.argsort(np.concatenate(list(index), axis=-1), axis=-1)  # [layers, size]
+            shape = [order.shape[0]] + [1] * (x.ndim - 2)
+            shape[axis] = order.shape[1]
+            joined = jnp.concatenate([x[w] for w in first], axis=axis)
+            return jnp.take_along_axis(joined, order.reshape(shape), axis=axis)
+
+        return self._map(one, owned)
+
+    def summary(self, layout: Any) -> dict[str, Any]:
+        """What each worker owns and what all share, per device, from a training-state layout."""
+        owned = lambda rows: sum(r.bytes_per_device for r in rows if r.names and r.names[0] == "worker")  # noqa: E731
+        params = layout.params.leaves
+        shared = sum(r.bytes_per_device for r in params if not (r.names and r.names[0] == "worker"))
+        o = self.owners
+        return {
+            "coverage": self.spec.coverage,
+            "granularity": self.spec.granularity,
+            "masking": self.spec.masking,
+            "parts": o.parts,
+            "owners_per_group": o.workers // o.parts,
+            "groups": dict(self.sizes),
+            "owner_groups": o.owner_groups,
+            "owned_param_bytes": owned(params),
+            "shared_param_bytes": shared,
+            "owned_grad_bytes": owned(layout.grads.leaves),
+            "shared_grad_bytes": sum(
+                r.bytes_per_device for r in layout.grads.leaves if not (r.names and r.names[0] == "worker")
+            ),
+        }
+
+    def _placed(self, path: str, x: jax.Array, part: int) -> jax.Array:
+        """Part ``part``'s groups ``x`` put in the full layout, zeros elsewhere."""
+        dim = self._dim(path)
+        index = self.owners.index[dim]
+        slots = [x if g == part else jnp.zeros_like(x) for g in range(self.owners.parts)]
+        if dim == "layers":
+            return jnp.take(jnp.concatenate(slots, axis=0), np.argsort(index.reshape(-1)), axis=0)
+        axis = self.names[path].index(dim)
+        order = np.argsort(np.concatenate(list(index), axis=-1), axis=-1)  # [layers, size]
+        shape = [order.shape[0]] + [1] * (x.ndim - 1)
+        shape[axis] = order.shape[1]
+        return jnp.take_along_axis(jnp.concatenate(slots, axis=axis), order.reshape(shape), axis=axis)
+
+    def rebuild(self, owned: Any) -> Any:
+        """The full parameters on every device from the owned layout, in one all-reduce: each device puts its
+        part in place (zeros elsewhere), and the sum over the workers, over the owners per part, is the whole."""
+        axis, owners = self.spec.axis, self.owners
+        part_of = jnp.asarray(owners.part_of)
+
+        def body(owned: Any) -> Any:
+            part = part_of[jax.lax.axis_index(axis)]
+
+            def one(path: str, x: jax.Array) -> jax.Array:
+                if not self._dim(path):
+                    return x
+                local = sum(jnp.where(part == g, self._placed(path, x[0], g), 0) for g in range(owners.parts))
+                return jax.lax.psum(local, axis) / (owners.workers // owners.parts)
+
+            return self._map(one, owned)
+
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(self._specs(owned),),
+            out_specs=jax.tree.map(lambda _: PartitionSpec(), owned),
+            axis_names={axis},
+            check_vma=False,
+        )(owned)
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def _reduce(self, grads: Any) -> Any:
+        """The SDP rule: owned groups average over their owners (one owner group's devices), shared parameters
+        over all workers."""
+        axis, owners = self.spec.axis, self.owners
+        per_group = owners.workers // owners.parts
+
+        def one(path: str, g: jax.Array) -> jax.Array:
+            if self._dim(path):
+                return jax.lax.psum(g, axis, axis_index_groups=owners.owner_groups) / per_group
+            return jax.lax.psum(g, axis) / owners.workers
+
+        return self._map(one, grads)
+
+    def _specs(self, tree: Any) -> Any:
+        """shard_map specs for the owned layout: owned arrays split over the axis, shared ones whole."""
+        axis = self.spec.axis
+        return self._map(lambda path, _: PartitionSpec(axis) if self._dim(path) else PartitionSpec(), tree)
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """Forward masking: every worker's loss and gradients on its own subnetwork, reduced by the SDP rule.
+        ``params`` and the gradients are in the owned layout; the loss is the workers' mean."""
+        axis, sub_loss = self.spec.axis, self.narrow(self.kept)
+
+        def body(params: Any, batch: Any) -> tuple:
+            local = self._map(lambda path, x: x[0] if self._dim(path) else x, params)
+            loss, grads = jax.value_and_grad(sub_loss)(local, batch)
+            grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(grads))
+            return jax.lax.psum(loss, axis) / self.owners.workers, grads
+
+        specs = self._specs(params)
+        run = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(specs, PartitionSpec(axis)),
+            out_specs=(PartitionSpec(), specs),
+            axis_names={axis},
+            check_vma=False,
+        )
+        return run(params, batch)
+
+    def full_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
+        """Backward masking: every worker's loss and gradients on the full model; of the owned groups only
+        each worker's own part, reduced by the SDP rule. Returns the loss, the gradients and the parameters
+        (each device cuts out its own part) in the owned layout."""
+        axis = self.spec.axis
+        part_of = jnp.asarray(self.owners.part_of)
+
+        def body(params: Any, batch: Any) -> tuple:
+            loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
+            part = part_of[jax.lax.axis_index(axis)][None]
+            own = lambda tree: self._map(lambda path, x: self._take(path, x, part)[0] if self._dim(path) else x, tree)  # noqa: E731
+            lead = lambda tree: self._map(lambda path, x: x[None] if self._dim(path) else x, tree)  # noqa: E731
+            return jax.lax.psum(loss, axis) / self.owners.workers, lead(self._reduce(own(grads))), lead(own(params))
+
+        specs = self._specs(params)
+        run = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(jax.tree.map(lambda _: PartitionSpec(), params), PartitionSpec(axis)),
+            out_specs=(PartitionSpec(), specs, specs),
+            axis_names={axis},
+            check_vma=False,
+        )
+        return run(params, batch)
