@@ -82,3 +82,12 @@ def test_hetero_script():
     for cells in rows:
         speedup, ideal, ratio = (float(c) for c in cells[-3:])
         assert 1.0 < speedup <= ideal + 1e-9 and ratio == pytest.approx(speedup / ideal, abs=1e-3), cells
+
+
+@pytest.mark.slow
+def test_subnet_script():
+    out = run_script("subnet.py", "--steps", "4", "--layers", "4", "--coverages", "0.5", "--granularities", "block")
+    rows = {tuple(c.strip() for c in line.split("│")[1:4]): line.split("│") for line in out.splitlines() if "│" in line}
+    assert ("dp", "-", "1") in rows and ("sdp", "block", "0.5") in rows, out
+    memory = float(rows["sdp", "block", "0.5"][-2])
+    assert 0.3 < memory < 0.8, out  # half the blocks plus the shared parameters

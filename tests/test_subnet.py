@@ -1,0 +1,194 @@
+"""Subnetwork data parallelism: ownership, the owner-averaged update against NumPy, unbiased backward masking,
+real memory savings on gpt-small, and the command line."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+import strategies
+from spmd import data, models
+from spmd._subnet import SubnetSpec, ownership
+from spmd.cli import main
+
+MESH = {"data": 8}
+
+
+@pytest.mark.parametrize("coverage,groups", [(0.5, 8), (0.25, 8), (0.125, 16), (1.0, 4)])
+def test_ownership_is_balanced_complete_and_seeded(coverage, groups):
+    spec = SubnetSpec(coverage=coverage, seed=3)
+    o = ownership(spec, 8, {"layers": groups}, groups)
+    m = o.mask("layers")
+    assert m.any(axis=0).all()  # every group owned
+    assert set(m.sum(axis=1)) == {int(coverage * groups)}  # every worker the same share
+    assert set(m.sum(axis=0)) == {int(8 * coverage)}  # every group the same number of owners
+    assert np.array_equal(m, ownership(spec, 8, {"layers": groups}, groups).mask("layers"))
+    other = ownership(SubnetSpec(coverage=coverage, seed=4), 8, {"layers": groups}, groups).mask("layers")
+    assert coverage == 1.0 or not np.array_equal(m, other)
+    neurons = ownership(spec, 8, {"mlp": 32, "heads": 8}, 3)
+    assert neurons.index["mlp"].shape == (round(1 / coverage), 3, int(32 * coverage))  # per layer
+
+
+def _sdp_step(model, masking, granularity, optimizer, seed=0):
+    plan = strategies.subnetwork_dp(coverage=0.5, granularity=granularity, masking=masking, seed=seed)
+    narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
+    return spmd.train_step(models.loss_fn(model), optimizer, plan, spmd.make_mesh(MESH), narrow=narrow)
+
+
+def _worker_grads(model, params, batch, step, masking):
+    """Each worker's own gradient, on one device: its subnetwork's (forward masking) or the full model's
+    (backward masking) on its slice of the batch, in the full layout with zeros where it owns nothing."""
+    sub = step.subnet
+    narrowed = models.loss_fn(models.narrowed(model, sub.kept))
+
+    @jax.jit(static_argnums=2)
+    def grad_of(params, local, part):
+        own = lambda path, x: sub._take(path, x, np.array([part]))[0] if sub._dim(path) else x  # noqa: E731
+        place = lambda path, x: sub._placed(path, x, part) if sub._dim(path) else x  # noqa: E731
+        if masking == "backward":  # the full model's gradient, of which only the owned groups count
+            return sub._map(lambda path, x: place(path, own(path, x)), jax.grad(models.loss_fn(model))(params, local))
+        return sub._map(place, jax.grad(narrowed)(sub._map(own, params), local))
+
+    rows = batch["tokens"].shape[0] // 8
+    one = jax.devices()[0]
+    params = jax.device_put(params, one)
+    return [
+        jax.tree.map(
+            np.asarray, grad_of(params, {"tokens": batch["tokens"][w * rows : (w + 1) * rows]}, sub.owners.part_of[w])
+        )
+        for w in range(8)
+    ]
+
+
+@pytest.mark.parametrize(
+    "masking,granularity",
+    [("forward", "block"), pytest.param("forward", "neuron", marks=pytest.mark.slow), ("backward", "neuron")],
+)
+def test_update_is_the_owner_average_computed_in_numpy(masking, granularity):
+    model = models.get("gpt-tiny", layers=2)
+    step = _sdp_step(model, masking, granularity, optax.sgd(1.0))  # the update is minus the gradient
+    state = step.init(model.init, jax.random.key(0))
+    before = jax.tree.map(np.asarray, step.params_of(state))
+    batch = data.batch(0, 0, 16, model.config.seq_len, model.config.vocab)
+    state, _ = step(state, batch)
+    update = jax.tree.map(lambda a, b: np.asarray(b) - a, before, step.params_of(state))
+    # The rule in NumPy: g_p = Σ_{i owns p} g_ip / |owners(p)|; shared parameters: the mean over all workers.
+    grads = _worker_grads(model, before, batch, step, masking)
+    sub = step.subnet
+    count = sub._map(
+        lambda path, x: (
+            sum(sub._placed(path, jnp.ones_like(sub._take(path, x, np.array([p]))[0]), p) for p in sub.owners.part_of)
+            if sub._dim(path)
+            else np.full(x.shape, 8.0)
+        ),
+        before,
+    )
+    expected = jax.tree.map(lambda c, *gs: -np.sum(gs, axis=0) / np.asarray(c), count, *grads)
+    for (path, got), want in zip(
+        jax.tree_util.tree_flatten_with_path(update)[0], jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_backward_masking_is_unbiased():
+    # Per-worker gradients of 16 groups; over random ownerships (seeds) the owner-averaged update averages to the
+    # data-parallel update (the mean over all workers). Tolerance: 5 standard errors of the seed average.
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=(8, 16))  # worker × group
+    seeds = 2000
+    estimates = []
+    for seed in range(seeds):
+        m = ownership(SubnetSpec(coverage=0.5, masking="backward", seed=seed), 8, {"layers": 16}, 16).mask("layers")
+        estimates.append((m * g).sum(axis=0) / m.sum(axis=0))
+    estimates = np.array(estimates)
+    dp = g.mean(axis=0)
+    stderr = estimates.std(axis=0) / np.sqrt(seeds)
+    assert np.all(np.abs(estimates.mean(axis=0) - dp) <= 5 * stderr + 1e-12)
+    # ... while any single ownership is biased away from it: the test could fail.
+    assert np.abs(estimates[0] - dp).max() > 10 * stderr.max()
+
+
+@pytest.fixture(scope="module")
+def small_reports():
+    """gpt-small on data=8 at batch 32: data parallelism, and SDP at coverage 0.5 with either masking."""
+    model = models.get("gpt-small")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = data.batch(0, 0, 32, model.config.seq_len, model.config.vocab)
+    out = {}
+    for name, plan in (
+        ("dp", strategies.data_parallel()),
+        ("forward", strategies.subnetwork_dp(coverage=0.5, masking="forward")),
+        ("backward", strategies.subnetwork_dp(coverage=0.5, masking="backward")),
+    ):
+        narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
+        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(MESH), narrow=narrow)
+        step.prepare(params)
+        out[name] = spmd.report(step, batch)
+    return out
+
+
+def test_forward_masking_stores_only_the_subnetwork(small_reports):
+    dp, sdp = small_reports["dp"], small_reports["forward"]
+    assert sdp.per_device_bytes["total"] <= 0.65 * dp.per_device_bytes["total"]
+    assert sdp.compiled_memory["argument_bytes"] <= 0.7 * dp.compiled_memory["argument_bytes"]
+    s = sdp.subnet
+    assert s["parts"] == 2 and s["owners_per_group"] == 4 and s["shared_param_bytes"] > 0
+    # Shared parameters (embeddings, head, final norm) are a quarter of gpt-small: the rest is halved.
+    assert sdp.per_device_bytes["params"] == s["owned_param_bytes"] + s["shared_param_bytes"]
+    assert s["owned_param_bytes"] == pytest.approx(0.5 * (dp.per_device_bytes["params"] - s["shared_param_bytes"]))
+    # Averaging runs over the owners only: the owned gradients' all-reduce spans groups of 4.
+    assert {c.group_size for c in sdp.collectives if c.kind == "all-reduce"} == {4, 8}
+    assert sdp.comm_bytes_per_step["compiled"] == pytest.approx(sdp.comm_bytes_per_step["analytic"], rel=0.01)
+
+
+def test_backward_masking_shrinks_gradients_and_optimizer_state(small_reports):
+    dp, sdp = small_reports["dp"], small_reports["backward"]
+    shrunk = lambda r: r.per_device_bytes["grads"] + r.per_device_bytes["optimizer"]  # noqa: E731
+    assert shrunk(sdp) <= 0.65 * shrunk(dp)
+    assert sdp.per_device_bytes["params"] == dp.per_device_bytes["params"]  # every worker runs the full model
+    assert sdp.comm_bytes_per_step["compiled"] == pytest.approx(sdp.comm_bytes_per_step["analytic"], rel=0.01)
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_run_sdp_reduces_the_loss(capsys):
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "sdp", "--coverage", "0.5",
+        "--masking", "forward", "--steps", "30", "--json",
+    )  # fmt: skip
+    j = json.loads(out)
+    assert code == 0 and len(j["losses"]) == 30 and j["losses"][-1] < 0.9 * j["losses"][0]
+    assert j["per_device_bytes"]["total"] > 0 and "subnetworks over data (coverage 0.5" in j["plan"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--coverage", "0.3"], r"coverage 0.3 is not 1/P for a whole number P"),
+        (["--coverage", "0.125", "--layers", "4"], r"4 layers do not split into 8 equal parts"),
+        (["--granularity", "channel"], r"granularity 'channel'; choose from block, neuron"),
+        (["--masking", "sideways"], r"masking 'sideways'; choose from forward, backward"),
+        (["--model", "mlp"], r"model 'mlp' cannot be narrowed to a subnetwork"),
+    ],
+)
+def test_cli_sdp_mistakes(capsys, args, message):
+    code, _, err = run(capsys, "plan", "--mesh", "data=8", "--strategy", "sdp", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_owned_arrays_are_stored_per_worker_and_split_over_data():
+    model = models.get("gpt-tiny", layers=2)
+    step = _sdp_step(model, "forward", "block", optax.sgd(0.1))
+    layout = step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    row = next(r for r in layout.params.leaves if r.path.endswith("mlp/wi/kernel"))
+    assert row.names[0] == "worker" and row.spec[0] == "data" and row.shape[:2] == (8, 1)
+    assert row.bytes_per_device == row.bytes // 8
