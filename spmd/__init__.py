@@ -16,6 +16,7 @@ from spmd._profile import Device, Profile
 from spmd._report import Report, format_bytes, report
 from spmd._schedule import Action, Costs, PipelineSpec, Schedule, ScheduleError, Timeline, simulate, validate
 from spmd._shares import Shares, UnevenData
+from spmd._subnet import Ownership, SubnetSpec, Subnetworks
 from spmd._train import StateLayout, TrainState, TrainStep, resolve_state, shard, train_step
 from spmd._tree import unbox
 from spmd._uneven import padded_all_gather, padded_reduce_scatter, uneven_all_to_all
@@ -25,6 +26,7 @@ __all__ = [
     "Costs",
     "Device",
     "Layout",
+    "Ownership",
     "LeafLayout",
     "Plan",
     "PlanError",
@@ -37,6 +39,8 @@ __all__ = [
     "ScheduleError",
     "Shares",
     "StagedModel",
+    "SubnetSpec",
+    "Subnetworks",
     "StateLayout",
     "TrainState",
     "Timeline",

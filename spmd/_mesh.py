@@ -90,8 +90,9 @@ def make_mesh(
                 )
         dcn_shape = tuple(dcn.get(n, 1) for n in names)
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
-        # Slices on TPU; elsewhere each process is one granule of fast-connected devices.
-        by_process = getattr(devices[0], "slice_index", None) is None
+        # Slices on multi-slice TPU; elsewhere (one slice, or none) each process is one granule of fast-connected
+        # devices.
+        by_process = len({getattr(d, "slice_index", None) for d in devices} - {None}) <= 1
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, process_is_granule=by_process)
     elif len(devices) == 1:
         grid = np.array(devices).reshape(shape)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -323,7 +324,7 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         if self.compiled is None:
             self.compile(batch)
-        return self.compiled(state, jax.device_put(batch, self._batch_shardings))
+        return self.compiled(state, place(batch, self._batch_shardings))
 
     def _need_layout(self) -> None:
         if self.layout is None:
@@ -343,6 +344,32 @@ def train_step(
     """Builds a :class:`TrainStep` (see there for an example); a pipeline plan needs ``staged``, a subnetwork
     plan with forward masking ``narrow``."""
     return TrainStep(loss_fn, optimizer, plan, mesh, donate=donate, staged=staged, narrow=narrow)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Host arrays (the same global values on every process) as global arrays: on one process a ``device_put``;
+    across processes each process hands over only the rows its own devices hold
+    (``jax.make_array_from_process_local_data``).
+
+    >>> import spmd, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = spmd.make_mesh({"data": -1})
+    >>> place({"x": np.arange(16.0)}, {"x": NamedSharding(mesh, P("data"))})["x"].shape
+    (16,)
+    """
+
+    def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if sharding.is_fully_addressable:
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        spans = [
+            [s.indices(n)[:2] for s, n in zip(index, x.shape, strict=True)]
+            for index in sharding.addressable_devices_indices_map(x.shape).values()
+        ]
+        local = tuple(slice(min(s[d][0] for s in spans), max(s[d][1] for s in spans)) for d in range(x.ndim))
+        return jax.make_array_from_process_local_data(sharding, x[local], x.shape)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def _layers(annotated_params: Any, staged: StagedModel) -> int:

@@ -6,6 +6,7 @@ User mistakes exit with status 2 and one line on stderr; set SPMD_DEBUG=1 to see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
         p.add_argument("--devices", type=int, help="emulate N CPU devices (default: the accelerators, else 8 CPUs)")
+        p.add_argument(
+            "--distributed", action="store_true", help="join a multi-process job from the cluster's environment"
+        )
         p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
         p.add_argument("--batch-size", type=int, default=32, help="global batch size (sequences)")
         p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (eps 1e-6)")
@@ -40,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
             return
         p.add_argument("--model", default="gpt-tiny", help="built-in name, or package.module:factory")
         p.add_argument("--mesh", default="data=-1", help="axis=size pairs, e.g. data=2,fsdp=2,tensor=2")
+        p.add_argument("--dcn", help="how many processes/slices each axis spans, e.g. data=2 (the rest is within one)")
         p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
         p.add_argument("--layers", type=int, help="override the model's number of layers")
         p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
@@ -73,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--steps", type=int, default=10, help="training steps")
     run.add_argument("--check", action="store_true", help="also train on one device and compare")
+    run.add_argument("--checkpoint-dir", help="save the training state here (orbax; async, atomic)")
+    run.add_argument("--checkpoint-every", type=int, help="save every K steps (default: at the end)")
+    run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, on this mesh/plan")
     compare = sub.add_parser("compare", help="several strategies side by side: memory, traffic, step time")
     common(compare)
     compare.add_argument("--strategies", default="dp,zero1,zero2,zero3", help="comma-separated --strategy values")
@@ -83,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     suggest.add_argument("--confirm", type=int, default=3, help="compile this many of the best plans that fit")
     suggest.add_argument("--max-tensor", type=int, default=8, help="largest tensor-parallel axis to try")
     suggest.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
+    launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")
+    launch.add_argument("--processes", type=int, default=2, help="processes to start")
+    launch.add_argument("--devices-per-process", type=int, default=4, help="CPU devices each process has")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- spmd run ...")
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule: Gantt chart, bubble, memory")
     pipeline_flags(schedule, table=True)
     schedule.add_argument("--stages", type=int, default=4, help="pipeline devices (p)")
@@ -108,22 +120,35 @@ def main(argv: list[str] | None = None) -> int:
             from spmd import _cli_schedule
 
             return _cli_schedule.schedule(args)
-        _start_devices(args.devices)
-        if args.command == "profile":
-            from spmd import _cli_hetero
+        if args.command == "launch":
+            from spmd import _launch
 
-            return _cli_hetero.profile_command(args)
-        if args.command in ("compare", "suggest"):
-            from spmd import _cli_compare
-
-            return getattr(_cli_compare, args.command)(args)
-        return {"plan": _plan, "run": _run, "demo": _demo}[args.command](args)
+            command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return _launch.launch(command, processes=args.processes, devices_per_process=args.devices_per_process)
+        if _start_devices(args) > 0:
+            # Only the first process speaks: the others run the same program silently (errors still show).
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+                return _command(args)
+        return _command(args)
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not _is_user_error(e):
             raise
         message = " ".join(str(e).split())
         print(f"spmd: error: {message}", file=sys.stderr)
         return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Runs a command that needs the devices (started by then)."""
+    if args.command == "profile":
+        from spmd import _cli_hetero
+
+        return _cli_hetero.profile_command(args)
+    if args.command in ("compare", "suggest"):
+        from spmd import _cli_compare
+
+        return getattr(_cli_compare, args.command)(args)
+    return {"plan": _plan, "run": _run, "demo": _demo}[args.command](args)
 
 
 def _is_user_error(e: Exception) -> bool:
@@ -144,6 +169,10 @@ def _check_args(args: argparse.Namespace) -> None:
         "max_tensor",
         "top",
         "size",
+        "microbatch",
+        "processes",
+        "devices_per_process",
+        "checkpoint_every",
     )
     for name in (*positive, "microbatches", "virtual", "stages"):
         value = getattr(args, name, None)
@@ -156,8 +185,12 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--layers-per-stage {args.layers_per_stage!r}: give one count per global stage, e.g. 3,3,1,1"
             ) from None
-    if args.command in ("schedule", "profile"):
+    if args.command in ("schedule", "profile", "launch"):
         return
+    if getattr(args, "resume", False) and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir: the directory to resume from")
+    if getattr(args, "resume", False) and args.check:
+        raise UsageError("--check compares a run from its first step with one device; it cannot follow --resume")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     if getattr(args, "memory_per_device", None) is not None:
@@ -182,18 +215,28 @@ def _parse_bandwidth(text: str) -> dict[str, float]:
     return out
 
 
-def _start_devices(devices: int | None) -> None:
+def _start_devices(args: argparse.Namespace) -> int:
+    """Starts JAX's devices: this process's share of a multi-process job (under ``spmd launch``, or with
+    ``--distributed`` on a cluster), else ``--devices`` emulated CPU devices or the accelerators. Returns this
+    process's index."""
     import jax
 
     import spmd
+    from spmd import _launch
 
+    devices = getattr(args, "devices", None)
     started = spmd._devices.backend_started()
+    if not started and _launch.initialize(cluster=getattr(args, "distributed", False)):
+        if devices is not None:
+            raise UsageError("--devices: in a multi-process run each process has the devices its launcher gives it")
+        return jax.process_index()
     if devices is not None:
         if not started:
             jax.config.update("jax_platforms", "cpu")  # an explicit count means emulated CPU devices
         spmd.emulate_devices(devices)
     elif not started:
         spmd.emulate_devices(8)  # only the CPU platform listens; accelerators are used as they are
+    return jax.process_index()
 
 
 # ------------------------------------------------------------------------------------------------- pieces
@@ -213,7 +256,8 @@ def _setup(
     from spmd import models
 
     axes = spmd.parse_mesh(mesh_text or args.mesh)
-    mesh = spmd.make_mesh(axes)
+    dcn = spmd.parse_mesh(args.dcn) if getattr(args, "dcn", None) else None
+    mesh = spmd.make_mesh(axes, dcn=dcn)
     strategy = strategy or args.strategy
     names = set(strategy.split("+"))
     overrides = {"layers": args.layers} if getattr(args, "layers", None) else {}
@@ -317,36 +361,73 @@ def _batch(model: Any, seed: int, step: int, batch_size: int) -> dict[str, Any]:
 def _train(
     model: Any, plan: Any, mesh: Any, args: argparse.Namespace, *, label: str, quiet: bool, before: Any = None
 ) -> tuple:
-    """Trains ``args.steps`` steps; returns (losses, final params on the host, the step object).
+    """Trains up to step ``args.steps`` (from a checkpoint with ``--resume``, saving with ``--checkpoint-dir``);
+    returns (the losses of the steps run, final params on the host, the step object).
 
     ``before(step)`` runs after the step is compiled and before training (the demo prints its report there).
     """
     import jax
-    import numpy as np
     from rich.progress import Progress
 
     step = _trainer(model, plan, mesh, args)
-    state = step.init(model.init, jax.random.key(args.seed))
+    checkpoints = _checkpoints(args)
+    start = 0
+    if getattr(args, "resume", False):
+        step.prepare(jax.eval_shape(model.init, jax.random.key(args.seed)))
+        start, state, _ = checkpoints.restore(step.abstract_state())
+        if start >= args.steps:
+            raise UsageError(f"--resume: the checkpoint is at step {start}; --steps {args.steps} asks for none more")
+    else:
+        state = step.init(model.init, jax.random.key(args.seed))
     step.compile(_batch(model, args.seed, 0, args.batch_size))
     if before is not None:
         before(step)
+    every = getattr(args, "checkpoint_every", None) or args.steps
+    record = {"model": model.name, "plan": plan.describe(), "mesh": dict(mesh.shape)}
     losses = []
     with Progress(transient=True, disable=quiet, console=_console(stderr=True)) as bar:
-        task = bar.add_task(label, total=args.steps)
-        for i in range(args.steps):
+        task = bar.add_task(label, total=args.steps - start)
+        for i in range(start, args.steps):
             state, loss = step(state, _batch(model, args.seed, i, args.batch_size))
             losses.append(float(loss))
             bar.update(task, advance=1, description=f"{label} loss {losses[-1]:.3f}")
-    return losses, jax.tree.map(np.asarray, step.params_of(state)), step
+            if checkpoints is not None and ((i + 1) % every == 0 or i + 1 == args.steps):
+                checkpoints.save(i + 1, state, record)
+    if checkpoints is not None:
+        checkpoints.close()
+    return losses, _on_host(step.params_of(state)), step
+
+
+def _checkpoints(args: argparse.Namespace) -> Any:
+    directory = getattr(args, "checkpoint_dir", None)
+    if directory is None:
+        return None
+    from spmd._checkpoint import Checkpoints
+
+    if getattr(args, "resume", False) and not os.path.isdir(directory):
+        raise UsageError(f"--resume: checkpoint directory {directory!r} does not exist")
+    return Checkpoints(directory)
+
+
+def _on_host(tree: Any) -> Any:
+    """Full numpy arrays of a tree; arrays spread over several processes are gathered (all of them must call)."""
+    import jax
+    import numpy as np
+
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _reference(model: Any, args: argparse.Namespace, quiet: bool) -> tuple:
-    """The same training on a single device, from the same initial parameters and data."""
+    """The same training on a single device (of this process), from the same initial parameters and data."""
     import jax
 
     import spmd
 
-    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    one = spmd.make_mesh({"data": 1}, devices=jax.local_devices()[:1])
     return _train(model, spmd.Plan(), one, args, label="one device", quiet=quiet)
 
 
@@ -394,6 +475,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import jax
+
     from spmd import costmodel
 
     model, mesh, plan, profile = _setup(args)
@@ -401,6 +484,7 @@ def _run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": model.name,
         "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
         "strategy": args.strategy,
         "plan": plan.describe(),
         "losses": losses,
@@ -410,7 +494,9 @@ def _run(args: argparse.Namespace) -> int:
         out["batch_shares"] = list(plan.uneven.shares)
     if plan.pipeline is not None:
         out["layers_per_stage"] = list(plan.pipeline.layers_per_stage or ())
-    if args.check:
+    if args.checkpoint_dir:
+        out["checkpoint_step"] = args.steps
+    if args.check and jax.process_index() == 0:  # one device of the first process is the reference
         ref, ref_params, _ = _reference(model, args, quiet=args.json)
         out["reference_losses"] = ref
         out["max_abs_diff"] = _max_abs_diff(losses, ref, params, ref_params)
@@ -419,7 +505,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         console = _console()
         console.print(f"losses: {' '.join(f'{x:.4f}' for x in losses)}")
-        if args.check:
+        if "max_abs_diff" in out:
             console.print(f"one device: {' '.join(f'{x:.4f}' for x in out['reference_losses'])}")
             console.print(f"max |difference| over losses and parameters: {out['max_abs_diff']:.2e}")
     return 0

@@ -37,7 +37,7 @@ CASES += [("linen", name, shape) for name, shapes in EXTRA_SHAPES.items() for sh
 
 
 # nnx shares the layout code and the constraints with linen: the default run checks it on these compositions.
-NNX_DEFAULT = ("dp", "fsdp+tp", "dp+fsdp+tp")
+NNX_DEFAULT = ("dp+fsdp+tp",)
 
 
 def _tier(kind, name, shape):

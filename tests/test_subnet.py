@@ -67,7 +67,11 @@ def _worker_grads(model, params, batch, step, masking):
 
 @pytest.mark.parametrize(
     "masking,granularity",
-    [("forward", "block"), pytest.param("forward", "neuron", marks=pytest.mark.slow), ("backward", "neuron")],
+    [
+        ("forward", "block"),
+        pytest.param("forward", "neuron", marks=pytest.mark.slow),
+        pytest.param("backward", "neuron", marks=pytest.mark.slow),
+    ],
 )
 def test_update_is_the_owner_average_computed_in_numpy(masking, granularity):
     model = models.get("gpt-tiny", layers=2)
