@@ -12,6 +12,8 @@ checkpoint as the latest.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Any
 
 import jax
@@ -22,6 +24,21 @@ __all__ = ["CheckpointError", "Checkpoints"]
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message says why and what to do."""
+
+
+def _let_pending_reads_finish(seconds: float = 2.0) -> None:
+    """After a failed restore, orbax has closed its event loop while the reads of the other arrays are still in
+    flight; each one that completes tries to schedule a callback on the closed loop and prints a traceback. Wait
+    for them with standard error silenced, so the error that matters is the only thing the user sees."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            time.sleep(seconds)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _paths(tree: Any) -> dict[str, list[int]]:
@@ -60,6 +77,13 @@ class Checkpoints:
         """The latest step, its state read into ``target``'s shapes and shardings (ShapeDtypeStructs, e.g.
         ``TrainStep.abstract_state()``), and its record. Raises :class:`CheckpointError` when there is nothing
         to resume, when it was saved from another model, or when it cannot be read."""
+        try:
+            return self._restore(target)
+        except CheckpointError:
+            self.manager.close()  # its background threads would otherwise outlive the error
+            raise
+
+    def _restore(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
         ocp = self._ocp
         step = self.latest()
         if step is None:
@@ -76,10 +100,10 @@ class Checkpoints:
             ) from None
         self._check_same_model(record, target, step)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
-                "state"
-            ]
+            state = ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            restored = self.manager.restore(step, args=state)["state"]
         except Exception as e:  # noqa: BLE001
+            _let_pending_reads_finish()
             raise CheckpointError(
                 f"--resume: the state of checkpoint step {step} in {self.directory} cannot be read "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is corrupt: delete that step's "
@@ -89,7 +113,7 @@ class Checkpoints:
 
     def _check_same_model(self, record: dict[str, Any], target: Any, step: int) -> None:
         saved, now = record.get("state", {}), _paths(target)
-        for path in sorted(set(saved) | set(now)):
+        for path in [*saved, *(p for p in now if p not in saved)]:  # in the state's order: parameters first
             if saved.get(path) != now.get(path):
                 was = "absent" if path not in saved else f"shape {tuple(saved[path])}"
                 is_ = "absent" if path not in now else f"shape {tuple(now[path])}"

@@ -106,7 +106,7 @@ def launch(command: Sequence[str], *, processes: int, devices_per_process: int, 
             threads.append(t)
     status = 0
     try:
-        while any(c.poll() is None for c in children):
+        while [c.poll() for c in children].count(None):  # polls every child (any() would stop at the first)
             failed = [(i, c.returncode) for i, c in enumerate(children) if c.returncode not in (None, 0)]
             if failed:
                 i, code = failed[0]

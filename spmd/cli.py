@@ -6,7 +6,6 @@ User mistakes exit with status 2 and one line on stderr; set SPMD_DEBUG=1 to see
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -126,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return _launch.launch(command, processes=args.processes, devices_per_process=args.devices_per_process)
         if _start_devices(args) > 0:
-            # Only the first process speaks: the others run the same program silently (errors still show).
-            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-                return _command(args)
+            # Only the first process speaks: the others run the same program with their standard output (the
+            # libraries' too) sent nowhere; errors still show.
+            sys.stdout.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _command(args)
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not _is_user_error(e):

@@ -1,0 +1,191 @@
+"""Beyond one process: spmd launch with jax.distributed, checkpoints that restore onto another mesh, and faults
+(a dead peer, a save killed halfway)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from spmd._checkpoint import Checkpoints
+from spmd._launch import free_port
+from spmd.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+SPMD = [sys.executable, "-m", "spmd"]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_json(text):
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.slow
+def test_launch_two_processes_on_a_hybrid_mesh_equals_one_device():
+    cmd = [*SPMD, "launch", "--processes", "2", "--devices-per-process", "4", "--", *SPMD, "run", "--model",
+           "gpt-tiny", "--mesh", "data=2,fsdp=4", "--dcn", "data=2", "--strategy", "dp+fsdp", "--steps", "3",
+           "--check", "--json"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    j = last_json(r.stdout)  # only the first process prints, unprefixed
+    assert j["processes"] == 2 and len(j["losses"]) == 3 and j["max_abs_diff"] <= 1e-4
+    assert "[process 1]" not in r.stdout  # the other process printed nothing
+
+
+DYING = textwrap.dedent(
+    """
+    import os, signal, time
+    from spmd import _launch
+    _launch.initialize()
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((jax.device_count(),), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("i")), jnp.ones(jax.local_device_count()))
+    for step in range(10**6):
+        float(total(x)[0])
+        if step == 20 and jax.process_index() == 1:
+            print("dying", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.01)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_dead_peer_stops_the_job_within_a_minute(tmp_path):
+    script = tmp_path / "dying.py"
+    script.write_text(DYING)
+    start = time.monotonic()
+    cmd = [*SPMD, "launch", "--processes", "2", "--devices-per-process", "2", "--", sys.executable, str(script)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 128 + signal.SIGKILL and elapsed <= 60, (r.returncode, elapsed)
+    assert "spmd launch: process 1 was killed by signal SIGKILL; stopping the others" in r.stderr
+    # Without the launcher, JAX's coordination service notices the missing heartbeats and stops the survivor.
+    port = free_port()
+    env = {**ENV, "SPMD_COORDINATOR": f"127.0.0.1:{port}", "SPMD_NUM_PROCESSES": "2", "SPMD_LOCAL_DEVICES": "2"}
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], env={**env, "SPMD_PROCESS_ID": str(i)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    _, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=10)
+    assert procs[0].returncode != 0 and time.monotonic() - start <= 60
+    assert "another task died" in err0 or "unhealthy" in err0, err0[-2000:]
+
+
+def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
+    ck = str(tmp_path / "ck")
+    _, out, _ = run(capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8", "--steps", "4", "--json")
+    straight = json.loads(out)["losses"]
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "fsdp=8", "--strategy", "fsdp", "--steps",
+        "2", "--checkpoint-dir", ck, "--json",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["checkpoint_step"] == 2
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=2,tensor=4", "--strategy", "dp+tp",
+        "--steps", "4", "--checkpoint-dir", ck, "--resume", "--json",
+    )  # fmt: skip
+    resumed = json.loads(out)["losses"]
+    assert code == 0 and len(resumed) == 2
+    np.testing.assert_allclose(resumed, straight[2:], atol=1e-5)
+    assert sorted(os.listdir(ck)) == ["2", "4"]
+
+
+@pytest.mark.slow
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+
+    def spmd_run(steps, *extra):
+        return [*SPMD, "run", "--model", "gpt-tiny", "--layers", "2", "--steps", str(steps), "--json", *extra]
+
+    saving = ["--checkpoint-dir", str(ck), "--checkpoint-every", "1"]
+    proc = subprocess.Popen(spmd_run(400, *saving), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    # Kill it the moment a save is in flight: orbax writes a step into a temporary directory first.
+    while time.monotonic() < deadline and proc.poll() is None:
+        names = os.listdir(ck) if ck.exists() else []
+        if any("tmp" in n for n in names) and any(n.isdigit() for n in names):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before a save could be interrupted"
+    committed = sorted(int(n) for n in os.listdir(ck) if n.isdigit())
+    assert committed, os.listdir(ck)
+    latest = committed[-1]
+    # The interrupted save is not taken for a checkpoint: resuming starts from the last committed step.
+    r = subprocess.run(spmd_run(latest + 2, *saving, "--resume"), capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    straight = subprocess.run(spmd_run(latest + 2), capture_output=True, text=True, timeout=300, env=ENV)
+    np.testing.assert_allclose(last_json(r.stdout)["losses"], last_json(straight.stdout)["losses"][latest:], atol=1e-5)
+
+
+def test_resume_mistakes_are_explained(capsys, tmp_path):
+    ck = str(tmp_path / "ck")
+    base = ["run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8"]
+    assert run(capsys, *base, "--steps", "2", "--checkpoint-dir", ck, "--json")[0] == 0
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--checkpoint-dir", str(tmp_path / "none")], r"checkpoint directory '.*none' does not exist"),
+        (["--checkpoint-dir", str(tmp_path / "empty")], r"no checkpoint in .*empty; run without --resume first"),
+        (
+            ["--checkpoint-dir", ck, "--layers", "1"],
+            r"saved from another model or layout: state.params\['params'\]\['layers'\]\['attn'\]\['key'\]\['kernel'\] "
+            r"is shape \(2, 64, 4, 16\) there but shape \(1, 64, 4, 16\) here",
+        ),
+        (["--checkpoint-dir", ck, "--steps", "2"], r"the checkpoint is at step 2; --steps 2 asks for none more"),
+    ]
+    for extra, message in cases:
+        code, _, err = run(capsys, *base, "--steps", "4", "--resume", *extra)  # later flags win
+        assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), (extra, err)
+    # A corrupt checkpoint: one of its array files cut in half.
+    victim = next(
+        p for p in sorted((tmp_path / "ck" / "2" / "state").rglob("*")) if p.is_file() and p.stat().st_size > 1000
+    )
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    code, _, err = run(capsys, *base, "--steps", "4", "--resume", "--checkpoint-dir", ck)
+    assert code == 2 and re.search(r"checkpoint step 2 in .* cannot be read .* corrupt", err), err
+    for args, message in (
+        (["--resume"], r"--resume needs --checkpoint-dir"),
+        (["--resume", "--checkpoint-dir", ck, "--check"], r"--check .* cannot follow --resume"),
+    ):
+        code, _, err = run(capsys, *base, *args)
+        assert code == 2 and re.search(message, err), err
+
+
+def test_explicit_axis_arrays_survive_a_round_trip(tmp_path):
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, explicit=True)
+    sharding = NamedSharding(mesh, P("data", "model"))
+    state = {"w": jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8), sharding), "step": np.int32(3)}
+    saver = Checkpoints(str(tmp_path / "ck"))
+    saver.save(3, state, {"model": "toy"})
+    saver.close()
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)), state
+    )
+    step, restored, record = Checkpoints(str(tmp_path / "ck")).restore(target)
+    assert step == 3 and record["model"] == "toy"
+    assert restored["w"].sharding == sharding and mesh.axis_types == restored["w"].sharding.mesh.axis_types
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(state["w"]))
