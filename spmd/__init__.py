@@ -6,6 +6,7 @@
 P('data', None)
 """
 
+from spmd._checkpoint import CheckpointError, Checkpoints
 from spmd._context import activate, constrain
 from spmd._devices import emulate_devices
 from spmd._gantt import gantt_text, plot_gantt
@@ -23,6 +24,8 @@ from spmd._uneven import padded_all_gather, padded_reduce_scatter, uneven_all_to
 
 __all__ = [
     "Action",
+    "CheckpointError",
+    "Checkpoints",
     "Costs",
     "Device",
     "Layout",
