@@ -1,12 +1,13 @@
 """Checkpoints with orbax: the training state and the plan, saved asynchronously and atomically, restored onto
 whatever mesh and plan the run has now.
 
-A checkpoint holds the state as the training step stores it (parameters, optimizer state, step) and a JSON
-record of what made it: the model's parameter paths and shapes, the plan and the mesh. Restoring builds the
-targets from the *current* training step — shapes, dtypes and shardings of its own layout — so orbax reads each
-array straight into the new layout: saved under ``fsdp=8``, resumed under ``data=2,tensor=4``. Orbax writes a
-step to a temporary directory and renames it when complete, so a save killed halfway leaves the previous
-checkpoint as the latest.
+A checkpoint holds the training state in the model's own layout (parameters as the model has them, each optimizer
+moment shaped like its parameter, the step; see ``TrainStep.to_model_layout``) and a JSON record of what made it:
+the state's paths and shapes, the plan and the mesh. Restoring builds the targets from the *current* training
+step, with the shardings of its own layout, so orbax reads each array straight onto the new mesh, and the step
+lays it out as its plan stores it: saved under ``fsdp=8``, resumed under ``data=2,tensor=4`` or as a pipeline.
+Orbax writes a step to a temporary directory and renames it when complete, so a save killed halfway leaves the
+previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Checkpoints:
 
     def restore(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
         """The latest step, its state read into ``target``'s shapes and shardings (ShapeDtypeStructs, e.g.
-        ``TrainStep.abstract_state()``), and its record. Raises :class:`CheckpointError` when there is nothing
+        ``TrainStep.model_layout_abstract()``), and its record. Raises :class:`CheckpointError` when there is nothing
         to resume, when it was saved from another model, or when it cannot be read."""
         try:
             return self._restore(target)
@@ -118,9 +119,9 @@ class Checkpoints:
                 was = "absent" if path not in saved else f"shape {tuple(saved[path])}"
                 is_ = "absent" if path not in now else f"shape {tuple(now[path])}"
                 raise CheckpointError(
-                    f"--resume: checkpoint step {step} in {self.directory} was saved from another model or layout: "
+                    f"--resume: checkpoint step {step} in {self.directory} was saved from another model or optimizer: "
                     f"state{path} is {was} there but {is_} here (saved: {record.get('model')}, "
-                    f"{record.get('plan')}); resume with the same model, or use a new --checkpoint-dir"
+                    f"{record.get('plan')}); resume with the same model and optimizer, or use a new --checkpoint-dir"
                 )
 
     def close(self) -> None:

@@ -174,6 +174,7 @@ class TrainStep:
         self.layout: StateLayout | None = None
         self.compiled: jax.stages.Compiled | None = None
         self._batch_shardings: Any = None
+        self._converters: tuple | None = None  # conversions to and from the model's layout, made when needed
 
     # -- layout and init ----------------------------------------------------------------------------------
     def prepare(self, annotated_params: Any) -> StateLayout:
@@ -200,6 +201,7 @@ class TrainStep:
         state = TrainState(replicated, named(layout.params.specs), named(layout.opt_state.specs))
         self.layout = dataclasses.replace(layout, shardings=state, grad_shardings=named(layout.grads.specs))
         self.compiled = None
+        self._converters = None
         return self.layout
 
     def initializer(self, init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> Callable[[jax.Array], TrainState]:
@@ -278,6 +280,73 @@ class TrainStep:
         if self.subnet is not None and self.subnet.spec.masking == "forward":
             return self.subnet.full(params)
         return params if self.pipeline is None else self.pipeline.unstack(params)
+
+    # -- the model's own layout (what checkpoints hold) --------------------------------------------------
+    @property
+    def stores_model_layout(self) -> bool:
+        """Whether the state holds every array in the model's own layout: no pipeline stacking, no per-worker
+        copies of owned parts, no block padding."""
+        self._need_layout()
+        padded = self.layout.params.padded or self.layout.grads.padded
+        return self.pipeline is None and self.subnet is None and not padded
+
+    def to_model_layout(self, state: TrainState) -> TrainState:
+        """The state in the model's own layout, whatever the plan: parameters as the model has them and each
+        optimizer moment shaped like its parameter (padding sliced off, pipeline stages unstacked, each owned
+        part taken from its first owner). A state saved so restores under any plan (:meth:`from_model_layout`)."""
+        return state if self.stores_model_layout else self._conversions[0](state)
+
+    def from_model_layout(self, state: TrainState) -> TrainState:
+        """The inverse of :meth:`to_model_layout`: the state as this plan stores it, in its shardings."""
+        return state if self.stores_model_layout else self._conversions[1](state)
+
+    def model_layout_abstract(self) -> TrainState:
+        """ShapeDtypeStructs (with shardings) of :meth:`to_model_layout`'s result: targets to restore into."""
+        if self.stores_model_layout:
+            return self.abstract_state()
+        return self._conversions[2]
+
+    @property
+    def _conversions(self) -> tuple[Callable, Callable, TrainState]:
+        if self._converters is None:
+            self._converters = self._convert_to_and_from_model()
+        return self._converters
+
+    def _convert_to_and_from_model(self) -> tuple[Callable, Callable, TrainState]:
+        abstract = self.abstract_state()
+        owned = self.subnet is not None and self.subnet.spec.masking == "forward"
+        # The optimizer's moments mirror what is trained: the stored parameters, or with backward masking the
+        # owned parts (laid out like the gradients).
+        trained_rows = self.layout.grads if self.subnet is not None and not owned else self.layout.params
+
+        def model_of(tree: Any, rows: Layout, per_worker: bool) -> Any:
+            tree = unpad(tree, rows)
+            if per_worker:
+                tree = self.subnet.full(tree)
+            return tree if self.pipeline is None else self.pipeline.unstack(tree)
+
+        def stored_of(tree: Any, rows: Layout, per_worker: bool) -> Any:
+            if self.pipeline is not None:
+                tree = unbox(self.pipeline.stack(tree))
+            if per_worker:
+                tree = self.subnet.own(tree)
+            return pad(tree, rows)
+
+        def convert(state: TrainState, like: Any, f: Callable) -> TrainState:
+            moments = lambda tree: f(tree, trained_rows, self.subnet is not None)  # noqa: E731
+            return TrainState(
+                state.step, f(state.params, self.layout.params, owned), _map_like(moments, state.opt_state, like)
+            )
+
+        to_model = jax.jit(lambda s: convert(s, stored_abstract(trained_rows), model_of))
+        compiled = to_model.lower(abstract).compile()
+        target = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(to_model, abstract),
+            compiled.output_shardings,
+        )
+        from_model = jax.jit(lambda s: convert(s, target.params, stored_of), out_shardings=self.layout.shardings)
+        return compiled, from_model, target
 
     def batch_shardings(self, batch: Any) -> Any:
         if self.uneven is not None:  # any batch size: the shares, not an even split, place its examples
@@ -383,6 +452,17 @@ def _layers(annotated_params: Any, staged: StagedModel) -> int:
     if len(sizes) != 1 or 0 in sizes:
         raise PlanError(f"pipeline: the arrays at {'/'.join(staged.layers_key)} must share a leading layer dimension")
     return sizes.pop()
+
+
+def _map_like(f: Callable[[Any], Any], tree: Any, like: Any) -> Any:
+    """Applies ``f`` to every subtree of ``tree`` with the structure and shapes of ``like`` (an optimizer
+    state's moments mirror the parameters), leaving the rest (counts, schedules) as it is."""
+    structure, shapes = jax.tree.structure(like), [np.shape(x) for x in jax.tree.leaves(like)]
+
+    def mirrors(node: Any) -> bool:
+        return jax.tree.structure(node) == structure and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+    return jax.tree.map(lambda node: f(node) if mirrors(node) else node, tree, is_leaf=mirrors)
 
 
 def _rows_tree(layout: Layout) -> Any:

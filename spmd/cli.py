@@ -374,7 +374,9 @@ def _train(
     start = 0
     if getattr(args, "resume", False):
         step.prepare(jax.eval_shape(model.init, jax.random.key(args.seed)))
-        start, state, _ = checkpoints.restore(step.abstract_state())
+        # Checkpoints hold the model's own layout, so any plan can resume from any other's.
+        start, state, _ = checkpoints.restore(step.model_layout_abstract())
+        state = step.from_model_layout(state)
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start}; --steps {args.steps} asks for none more")
     else:
@@ -392,7 +394,7 @@ def _train(
             losses.append(float(loss))
             bar.update(task, advance=1, description=f"{label} loss {losses[-1]:.3f}")
             if checkpoints is not None and ((i + 1) % every == 0 or i + 1 == args.steps):
-                checkpoints.save(i + 1, state, record)
+                checkpoints.save(i + 1, step.to_model_layout(state), record)
     if checkpoints is not None:
         checkpoints.close()
     return losses, _on_host(step.params_of(state)), step

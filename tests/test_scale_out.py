@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+import strategies
+from spmd import models
 from spmd._checkpoint import Checkpoints
 from spmd._launch import free_port
 from spmd.cli import main
@@ -111,6 +115,60 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     assert code == 0 and len(resumed) == 2
     np.testing.assert_allclose(resumed, straight[2:], atol=1e-5)
     assert sorted(os.listdir(ck)) == ["2", "4"]
+    # A pipeline stores its layers stacked per stage; checkpoints hold the model's layout, so it resumes too.
+    shutil.rmtree(os.path.join(ck, "4"))
+    code, out, _ = run(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "stage=2,data=4", "--strategy", "pp+dp",
+        "--microbatches", "2", "--steps", "4", "--checkpoint-dir", ck, "--resume", "--json",
+    )  # fmt: skip
+    assert code == 0
+    np.testing.assert_allclose(json.loads(out)["losses"], straight[2:], atol=1e-5)
+
+
+def _stored_layout_step(kind, model):
+    """A training step whose state is not stored in the model's own layout, and its mesh sizes."""
+    if kind == "pipeline":  # stacked [stage, chunk, layer, ...], uneven stages padded
+        options = strategies.PipelineOptions("1f1b", 2, 1, (3, 1))
+        mesh = {"stage": 2, "data": 4}
+        plan = strategies.from_names("pp+dp", mesh, pipeline_options=options)
+    elif kind == "fsdp-blocks":  # block-aligned shards: arrays padded
+        mesh = {"fsdp": 8}
+        plan = strategies.fsdp(min_bytes=0, block=128)
+    else:  # owned parts copied per worker: the parameters too (forward masking) or the optimizer state only
+        mesh = {"data": 8}
+        plan = strategies.subnetwork_dp(coverage=0.5, granularity="neuron", masking=kind.removeprefix("sdp-"))
+    narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
+    return spmd.train_step(
+        models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(mesh), staged=model.staged, narrow=narrow
+    )
+
+
+def _same(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "fsdp-blocks", "sdp-forward", "sdp-backward"])
+def test_every_stored_layout_converts_to_the_models_and_back(kind):
+    model = models.get("gpt-tiny", layers=4)
+    step = _stored_layout_step(kind, model)
+    state = step.init(model.init, jax.random.key(0))
+    assert not step.stores_model_layout
+    exported = step.to_model_layout(state)
+    _same(exported.params, step.params_of(state))
+    # What an unsharded Adam keeps: the model's parameters and two moments shaped like them.
+    single = jax.eval_shape(optax.adam(1e-3).init, exported.params)
+    shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert jax.tree.structure(exported.opt_state) == jax.tree.structure(single)
+    assert shapes(exported.opt_state) == shapes(single)
+    # Model layout -> stored -> model layout is exact, with a different value in every element of every array.
+    numbered = jax.tree.map(
+        lambda x: jax.device_put((np.arange(x.size) % 997).astype(x.dtype).reshape(x.shape), x.sharding), exported
+    )
+    _same(step.to_model_layout(step.from_model_layout(numbered)), numbered)
+    # And the stored state comes back from the model layout as it was, in its own shardings.
+    back = step.from_model_layout(exported)
+    _same(back, state)
+    assert jax.tree.map(lambda x: x.sharding, back) == step.layout.shardings
 
 
 @pytest.mark.slow
@@ -152,7 +210,8 @@ def test_resume_mistakes_are_explained(capsys, tmp_path):
         (["--checkpoint-dir", str(tmp_path / "empty")], r"no checkpoint in .*empty; run without --resume first"),
         (
             ["--checkpoint-dir", ck, "--layers", "1"],
-            r"saved from another model or layout: state.params\['params'\]\['layers'\]\['attn'\]\['key'\]\['kernel'\] "
+            r"saved from another model or optimizer: "
+            r"state.params\['params'\]\['layers'\]\['attn'\]\['key'\]\['kernel'\] "
             r"is shape \(2, 64, 4, 16\) there but shape \(1, 64, 4, 16\) here",
         ),
         (["--checkpoint-dir", ck, "--steps", "2"], r"the checkpoint is at step 2; --steps 2 asks for none more"),
