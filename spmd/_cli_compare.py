@@ -22,11 +22,11 @@ def compare(args: argparse.Namespace) -> int:
     if not names:
         raise UsageError("--strategies is empty; give names like dp,zero1,zero2,zero3")
     setups = [(name, *_setup(args, strategy=name)) for name in names]  # all errors first
-    hardware = _hardware(args)
     rows = []
     for name, model, mesh, plan, profile in setups:
         step = _trainer(model, plan, mesh, args)
         state = step.init(model.init, jax.random.key(args.seed))
+        hardware = _hardware(args, profile, mesh.axis_names)
         rep = spmd.report(step, _batch(model, args.seed, 0, args.batch_size), hardware=hardware)
         times = []
         for i in range(args.timed_steps):

@@ -81,6 +81,23 @@ class Profile:
         Σ s / (N · min s)."""
         return sum(self.speeds) / (len(self.devices) * min(self.speeds))
 
+    def link_bandwidth(self, axes: Sequence[str]) -> dict[str, float]:
+        """Per mesh axis, the bandwidth its collectives run at: a ring moves at the pace of its slowest link, so
+        the least any device declares for the axis (or for ``"all"``, which ``spmd profile`` measures). Axes
+        no device declares are left to the hardware's defaults.
+
+        >>> slow = Device(bandwidth=(("data", 1e10),))
+        >>> Profile((Device(bandwidth=(("all", 4e10),)), slow)).link_bandwidth(["data", "tensor"])
+        {'data': 10000000000.0, 'tensor': 40000000000.0}
+        """
+        out = {}
+        for axis in axes:
+            declared = [dict(d.bandwidth).get(axis, dict(d.bandwidth).get("all")) for d in self.devices]
+            known = [b for b in declared if b is not None and math.isfinite(b)]
+            if known:
+                out[axis] = min(known)
+        return out
+
     def check(self, devices: int) -> Profile:
         if len(self.devices) != devices:
             raise ValueError(

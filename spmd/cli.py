@@ -316,8 +316,9 @@ def _workload(model: Any, args: argparse.Namespace) -> Any:
     return costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len)
 
 
-def _hardware(args: argparse.Namespace) -> Any:
-    """The cost model's device: --device-kind, else the kind of the devices present; --axis-bandwidth on top."""
+def _hardware(args: argparse.Namespace, profile: Any = None, axes: Any = ()) -> Any:
+    """The cost model's device: --device-kind, else the kind of the devices present; the link bandwidths a device
+    profile declares for the mesh ``axes`` on top, and --axis-bandwidth over those."""
     import jax
 
     from spmd import costmodel
@@ -328,7 +329,9 @@ def _hardware(args: argparse.Namespace) -> Any:
     else:
         device = jax.devices()[0]
         hw = costmodel.detect(device.device_kind, device.platform)
-    bandwidth = getattr(args, "axis_bandwidth", None)
+    bandwidth = (profile.link_bandwidth(list(axes)) if profile is not None else {}) | dict(
+        getattr(args, "axis_bandwidth", None) or {}
+    )
     return hw.with_axis_bandwidth(bandwidth) if bandwidth else hw
 
 
@@ -465,7 +468,7 @@ def _plan(args: argparse.Namespace) -> int:
     step = _trainer(model, plan, mesh, args)
     step.prepare(jax.eval_shape(model.init, jax.random.key(args.seed)))
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
-    rep = spmd.report(step, batch, hardware=_hardware(args))
+    rep = spmd.report(step, batch, hardware=_hardware(args, profile, mesh.axis_names))
     hetero = _cli_hetero.summary(args, step, rep, profile) if profile is not None else {}
     if args.json:
         print(json.dumps({"model": model.name, **rep.to_dict(), **hetero}))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import spmd
-from spmd import data, models
+from spmd import costmodel, data, models
 from spmd.cli import main
 from strategies import hetero
 
@@ -130,6 +130,16 @@ def test_cli_plan_json_and_memory(capsys, tmp_path):
     code, out, _ = run(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
     shares = json.loads(out)["batch_shares"]
     assert code == 0 and sum(shares) == 56 and shares[0] < shares[1]
+    # A device with a slow link on the data axis paces its all-reduces: the modelled communication is the
+    # analytic traffic over that link's bandwidth, and the uneven plan's step time includes it.
+    profile["devices"][5]["bandwidth"] = {"data": 1e8}
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    code, out, _ = run(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
+    j = json.loads(out)
+    latency = costmodel.HARDWARE["cpu"].ici_latency
+    expected = sum(t["traffic_bytes"] / 1e8 + t["count"] * latency for t in j["analytic_collectives"])
+    assert code == 0 and j["modelled_step_time"]["comm_s"] == pytest.approx(expected, rel=1e-6) and expected > 0
+    assert j["simulated_step_time"]["hetero"] > expected
     # --even keeps the homogeneous split and prices it against the profile: no speedup.
     code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2", "--even")
     j = json.loads(out)
