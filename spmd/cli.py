@@ -129,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             # libraries' too) sent nowhere; errors still show.
             sys.stdout.flush()
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        elif _multi_process():
+            # The first process's standard output carries only the results: what libraries write to the
+            # descriptor themselves (gloo announces each connection) goes to standard error.
+            sys.stdout.flush()
+            sys.stdout = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+            os.dup2(sys.stderr.fileno(), 1)
         return _command(args)
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not _is_user_error(e):
@@ -237,6 +243,12 @@ def _start_devices(args: argparse.Namespace) -> int:
     elif not started:
         spmd.emulate_devices(8)  # only the CPU platform listens; accelerators are used as they are
     return jax.process_index()
+
+
+def _multi_process() -> bool:
+    import jax
+
+    return jax.process_count() > 1
 
 
 # ------------------------------------------------------------------------------------------------- pieces
