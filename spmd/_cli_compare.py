@@ -27,7 +27,9 @@ def compare(args: argparse.Namespace) -> int:
         step = _trainer(model, plan, mesh, args)
         state = step.init(model.init, jax.random.key(args.seed))
         hardware = _hardware(args, profile, mesh.axis_names)
-        rep = spmd.report(step, _batch(model, args.seed, 0, args.batch_size), hardware=hardware)
+        # The rows are the comparison: a subnetwork plan's own data-parallel baseline is not needed here.
+        first = _batch(model, args.seed, 0, args.batch_size)
+        rep = spmd.report(step, first, hardware=hardware, against_data_parallel=False)
         times = []
         for i in range(args.timed_steps):
             batch = _batch(model, args.seed, i, args.batch_size)
@@ -141,7 +143,7 @@ def suggest(args: argparse.Namespace) -> int:
         built = remat if args.model in models.BUILTIN else model
         step = _trainer(built, plan, spmd.make_mesh(mesh_axes), args)
         step.prepare(params)
-        return spmd.report(step, batch, hardware=hardware)
+        return spmd.report(step, batch, hardware=hardware, against_data_parallel=False)
 
     confirmed = search.confirm(ranked, compile_report, memory_per_device=budget, top=args.confirm)
     best, why = search.pick(confirmed, budget)

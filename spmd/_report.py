@@ -50,6 +50,8 @@ class Report:
     modelled_step_time: StepTime | None = None
     pipeline: dict[str, Any] | None = None  # the schedule's figures (spmd.Pipeline.summary), for pipeline plans
     subnet: dict[str, Any] | None = None  # who owns what (spmd.Subnetworks.summary), for subnetwork plans
+    # Subnetwork plans are measured against data parallelism: its report for the same model, batch and mesh.
+    data_parallel: Report | None = None
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
@@ -76,8 +78,28 @@ class Report:
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "pipeline": self.pipeline,
             "subnet": self.subnet,
+            "data_parallel": None if self.data_parallel is None else self.data_parallel.essentials(),
+            "vs_data_parallel": self.vs_data_parallel(),
             "warnings": list(self.warnings),
         }
+
+    def essentials(self) -> dict[str, Any]:
+        """Per-device bytes, the compiled memory and the collectives: what another plan is compared on."""
+        d = self.to_dict()
+        return {k: d[k] for k in ("plan", "per_device_bytes", "compiled_memory", "collectives", "comm_bytes_per_step")}
+
+    def vs_data_parallel(self) -> dict[str, float] | None:
+        """This plan's figures as fractions of data parallelism's (subnetwork plans), or None."""
+        dp = self.data_parallel
+        if dp is None:
+            return None
+        out = {f"{k}_bytes": self.per_device_bytes[k] / dp.per_device_bytes[k] for k in ("params", "grads", "total")}
+        out["optimizer_bytes"] = self.per_device_bytes["optimizer"] / dp.per_device_bytes["optimizer"]
+        for key in ("argument_bytes", "peak_bytes"):
+            if self.compiled_memory.get(key) and dp.compiled_memory.get(key):
+                out[f"compiled_{key}"] = self.compiled_memory[key] / dp.compiled_memory[key]
+        out["comm_bytes"] = self.comm_bytes_per_step["compiled"] / max(1, dp.comm_bytes_per_step["compiled"])
+        return out
 
     def tables(self, *, max_rows: int = 40) -> Group:
         """The report as rich renderables (the terminal view)."""
@@ -154,6 +176,22 @@ class Report:
                 f"subnetworks: {s['parts']} parts ({s['granularity']}: {s['groups']}), each owned by "
                 f"{s['owners_per_group']} workers {s['owner_groups']}; per device {kept}"
             )
+        if self.data_parallel is not None:
+            dp, v = self.data_parallel, self.vs_data_parallel()
+            reductions = ", ".join(
+                f"{c.count} {c.kind} over {'×'.join(c.axes)} (group {c.group_size})" for c in dp.collectives
+            )
+            compiled = (
+                f", compiled arguments {format_bytes(dp.compiled_memory['argument_bytes'])} "
+                f"({v['compiled_argument_bytes']:.3f}×)"
+                if "compiled_argument_bytes" in v
+                else ""
+            )
+            parts.append(
+                f"against data parallelism on this mesh: model state {format_bytes(dp.per_device_bytes['total'])} "
+                f"per device (this plan {v['total_bytes']:.3f}×){compiled}; its collectives {reductions or 'none'}, "
+                f"{format_bytes(dp.comm_bytes_per_step['compiled'])} per device per step ({v['comm_bytes']:.3f}×)"
+            )
         parts += [f"note: {n}" for n in self.plan.notes]
         parts += [f"[yellow]warning:[/] {w}" for w in self.warnings]
         return Group(*parts)
@@ -185,10 +223,13 @@ def report(
     *,
     workload: costmodel.Workload | None = None,
     hardware: costmodel.Hardware | None = None,
+    against_data_parallel: bool = True,
 ) -> Report:
     """Compiles ``step`` for ``batch`` (if not done) and joins the plan's layout with the compiled program and
     the cost model's expectation (``workload``: read from the batch's ``[batch, seq]`` array unless given;
-    ``hardware``: detected from the mesh's devices unless given).
+    ``hardware``: detected from the mesh's devices unless given). A subnetwork plan's report also compiles data
+    parallelism for the same model, batch and mesh and holds its report (``against_data_parallel=False``
+    skips that).
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -288,7 +329,18 @@ def report(
         modelled_step_time=costmodel.step_time(flops, analytic, hw, mesh.shape),
         pipeline=summary,
         subnet=subnet,
+        data_parallel=(
+            _data_parallel(step, batch, workload, hw) if step.subnet is not None and against_data_parallel else None
+        ),
     )
+
+
+def _data_parallel(step: TrainStep, batch: Any, workload: costmodel.Workload, hw: costmodel.Hardware) -> Report:
+    """The report of plain data parallelism over the same batch axes, for the model ``step`` trains."""
+    dp = TrainStep(step.loss_fn, step.optimizer, Plan(batch_axes=step.plan.batch_axes), step.mesh)
+    params = jax.eval_shape(step.params_of, step.abstract_state())  # the whole model, in its own layout
+    dp.prepare(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    return report(dp, batch, workload=workload, hardware=hw)
 
 
 def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:

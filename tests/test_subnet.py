@@ -119,21 +119,37 @@ def test_backward_masking_is_unbiased():
 
 @pytest.fixture(scope="module")
 def small_reports():
-    """gpt-small on data=8 at batch 32: data parallelism, and SDP at coverage 0.5 with either masking."""
+    """gpt-small on data=8 at batch 32: SDP at coverage 0.5 with either masking, and data parallelism (the report
+    of a subnetwork plan compiles it alongside)."""
     model = models.get("gpt-small")
     params = jax.eval_shape(model.init, jax.random.key(0))
     batch = data.batch(0, 0, 32, model.config.seq_len, model.config.vocab)
     out = {}
-    for name, plan in (
-        ("dp", strategies.data_parallel()),
-        ("forward", strategies.subnetwork_dp(coverage=0.5, masking="forward")),
-        ("backward", strategies.subnetwork_dp(coverage=0.5, masking="backward")),
-    ):
+    for masking in ("forward", "backward"):
+        plan = strategies.subnetwork_dp(coverage=0.5, masking=masking)
         narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
         step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(MESH), narrow=narrow)
         step.prepare(params)
-        out[name] = spmd.report(step, batch)
+        out[masking] = spmd.report(step, batch, against_data_parallel=masking == "forward")
+    out["dp"] = out["forward"].data_parallel
+    assert out["backward"].data_parallel is None
     return out
+
+
+def test_the_report_measures_sdp_against_data_parallelism(small_reports):
+    dp, sdp = small_reports["dp"], small_reports["forward"]
+    assert dp.plan == spmd.Plan(batch_axes=("data",)) and dp.subnet is None and dp.data_parallel is None
+    # Data parallelism keeps the whole model on every device and reduces every gradient over all 8.
+    assert dp.per_device_bytes["params"] == sum(r.bytes for r in dp.params)
+    assert {c.group_size for c in dp.collectives} == {8}
+    d = sdp.to_dict()
+    assert d["data_parallel"]["per_device_bytes"] == dp.per_device_bytes
+    assert d["data_parallel"]["compiled_memory"] == dp.compiled_memory
+    ratios = d["vs_data_parallel"]
+    assert ratios["total_bytes"] == sdp.per_device_bytes["total"] / dp.per_device_bytes["total"] <= 0.65
+    assert ratios["compiled_argument_bytes"] <= 0.7
+    assert ratios["comm_bytes"] == sdp.comm_bytes_per_step["compiled"] / dp.comm_bytes_per_step["compiled"] < 1
+    assert re.search(r"against data parallelism on this mesh: model state .* \(this plan 0\.\d+×\)", str(sdp))
 
 
 def test_forward_masking_stores_only_the_subnetwork(small_reports):
