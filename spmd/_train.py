@@ -156,7 +156,7 @@ class TrainStep:
         if plan.pipeline is not None and staged is None:
             raise PlanError(
                 f"the plan runs a pipeline ({plan.pipeline.describe()}), which needs the model cut into stages: "
-                f"pass staged=model.staged (built-in linen GPTs have one; see spmd.StagedModel for your own)"
+                f"pass staged=model.staged (the built-in GPTs have one; see spmd.StagedModel for your own)"
             )
         self.loss_fn, self.optimizer, self.plan, self.mesh = loss_fn, optimizer, plan, mesh
         self.donate, self.staged = donate, staged

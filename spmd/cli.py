@@ -297,7 +297,7 @@ def _setup(
     if plan.pipeline and model.staged is None:
         raise UsageError(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
-            f"the built-in linen GPTs gpt-tiny and gpt-small have one)"
+            f"the built-in GPTs gpt-tiny, gpt-small and their -nnx twins have one)"
         )
     from spmd import _cli_hetero
 

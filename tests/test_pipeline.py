@@ -31,8 +31,8 @@ CASES = [
 ]
 
 
-def _train(plan, mesh):
-    model = models.get("gpt-tiny", layers=LAYERS, remat=plan.remat)
+def _train(plan, mesh, name="gpt-tiny"):
+    model = models.get(name, layers=LAYERS, remat=plan.remat)
     step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, staged=model.staged)
     state = step.init(model.init, jax.random.key(0))
     losses = []
@@ -104,6 +104,16 @@ def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     expected = np.array([[IDLE if a is None else codes[a.kind] for a in row] for row in ticks])
     np.testing.assert_array_equal(executed, expected)
     assert step.pipeline.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
+
+
+def test_an_nnx_model_pipelines_like_its_unpipelined_self():
+    assert models.get("gpt-tiny-nnx").kind == "nnx"  # its staged form runs its own nnx modules
+    one_device = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ref_losses, ref_state, ref_step = _train(spmd.Plan(), one_device, "gpt-tiny-nnx")
+    plan, mesh_axes = _pipeline_plan("stage4xdata2", "1f1b", 1)
+    _assert_matches(
+        _train(plan, spmd.make_mesh(mesh_axes), "gpt-tiny-nnx"), (ref_losses, ref_step.params_of(ref_state))
+    )
 
 
 @pytest.mark.slow  # the default tier checks uneven stages through the CLI (tests/test_hetero.py)

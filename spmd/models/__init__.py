@@ -78,7 +78,7 @@ class Model:
         init: rng key -> annotated params tree (see the module docstring); pure and ``eval_shape``-able.
         apply: (params, tokens) -> logits; params unboxed (boxed also accepted).
         staged: the model cut for pipeline parallelism (embeddings, one stacked layer, head and loss), for
-            models that have one (the built-in linen GPTs); None otherwise.
+            models that have one (the built-in GPTs, linen and nnx); None otherwise.
     """
 
     name: str
@@ -184,19 +184,23 @@ def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConf
         return {"params": tree}
 
     def apply(params: Any, tokens: jax.Array) -> jax.Array:
-        values = unbox(params)["params"]
-        flat = []
-        for path, variable in abstract_flat:
-            node = values
-            for key in path:
-                node = node[key]
-            # New Variables with the abstract ones' metadata: the shared abstract state is never mutated.
-            flat.append((path, variable.replace(node)))
-        with nnx.use_eager_sharding(False):
-            module = nnx.merge(graphdef, nnx.from_flat_state(flat))
-        return module(tokens)
+        return nnx_module(graphdef, abstract_flat, unbox(params)["params"])(tokens)
 
     return Model(name=name, kind="nnx", config=config, init=init, apply=apply)
+
+
+def nnx_module(graphdef: Any, abstract_flat: Any, values: Any) -> nnx.Module:
+    """The nnx module ``graphdef`` with its parameters set to ``values`` (nested dicts keyed like the module's
+    attributes); ``abstract_flat`` (``nnx.to_flat_state`` of its abstract parameters) gives their metadata."""
+    flat = []
+    for path, variable in abstract_flat:
+        node = values
+        for key in path:
+            node = node[key]
+        # New Variables with the abstract ones' metadata: the shared abstract state is never mutated.
+        flat.append((path, variable.replace(node)))
+    with nnx.use_eager_sharding(False):
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _check_contract(model: Model) -> None:
@@ -273,10 +277,11 @@ def _linen_factory(name: str, defaults: LMConfig, make: Callable[[LMConfig], nn.
 
 def _nnx_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
     def factory(**overrides: Any) -> Model:
-        from spmd.models.gpt_nnx import GPT
+        from spmd.models import gpt_nnx
 
         config = _config(name, defaults, overrides)
-        return from_module(lambda rngs: GPT(config, rngs=rngs), name=name, config=config, check=False)
+        model = from_module(lambda rngs: gpt_nnx.GPT(config, rngs=rngs), name=name, config=config, check=False)
+        return dataclasses.replace(model, staged=gpt_nnx.staged(config, next_token_loss))
 
     factory.__doc__ = f"The built-in {name!r} model (nnx); keyword overrides are LMConfig fields."
     return factory

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd._context import constrain
+from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 from spmd.models.gpt import DENSE_INIT, EMBED_INIT, HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "staged"]
 
 
 def _named(init: Callable, names: Sequence[str]) -> Callable:
@@ -198,3 +199,42 @@ class GPT(nnx.Module):
         # With remat the head is recomputed in the backward pass too (see the linen GPT).
         logits = _head_remat(self.lm_head, x) if c.remat else self.lm_head(x)
         return constrain(logits, LOGITS)
+
+
+def staged(config: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) -> StagedModel:
+    """The GPT cut for pipelining, running its own nnx modules: the embeddings, one :class:`Block` (the stacked
+    layers' per-layer slice) and the final norm, head and ``loss`` (``loss(logits, tokens)``), each module
+    rebuilt from its part of the parameters."""
+    from spmd.models import nnx_module
+
+    c = config
+    with nnx.use_eager_sharding(False):
+        whole = nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(0)))
+        one_block = nnx.eval_shape(lambda: Block(c, rngs=nnx.Rngs(0)))
+
+    def part(module: nnx.Module) -> Callable[[dict], nnx.Module]:
+        graphdef, abstract = nnx.split(module, nnx.Param)
+        flat = list(nnx.to_flat_state(abstract))
+        return lambda values: nnx_module(graphdef, flat, values)
+
+    embed_, pos_embed_, block_, ln_f_, lm_head_ = map(
+        part, (whole.embed, whole.pos_embed, one_block, whole.ln_f, whole.lm_head)
+    )
+
+    def embed(params: dict, batch: dict) -> jax.Array:
+        p, tokens = params["params"], batch["tokens"]
+        seq = tokens.shape[-1]
+        if seq > c.seq_len:
+            raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
+        x = embed_(p["embed"])(tokens) + pos_embed_(p["pos_embed"])(jnp.arange(seq))[None]
+        return constrain(x, RESIDUAL)
+
+    def layer(layer_params: dict, x: jax.Array) -> jax.Array:
+        return block_(layer_params)(x)
+
+    def head_loss(params: dict, x: jax.Array, batch: dict) -> jax.Array:
+        p = params["params"]
+        logits = constrain(lm_head_(p["lm_head"])(ln_f_(p["ln_f"])(x)), LOGITS)
+        return loss(logits, batch["tokens"])
+
+    return StagedModel(embed=embed, layer=layer, loss=head_loss, activation_names=RESIDUAL)
