@@ -313,6 +313,24 @@ class Pipeline:
         shards = math.prod(self.mesh.shape[a] for a in data_axes)
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
 
+    def weight_uses(self) -> tuple[float, float]:
+        """Per step, how many times a device uses its chunks' weights and makes their gradients, in whole
+        stacks of its chunks: every F uses them once, every B, W or BW twice (it recomputes the chunk's forward,
+        then differentiates it), and every W or BW makes a gradient. What FSDP gathers and reduces inside the
+        stages.
+
+        >>> import spmd, strategies
+        >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
+        >>> plan = strategies.pipeline("zb-h1", stages=2, microbatches=4)
+        >>> Pipeline(None, plan.pipeline, mesh, layers=4).weight_uses()  # 4 F, 4 B, 4 W
+        (20.0, 4.0)
+        """
+        s = self.spec.schedule
+        actions = s.actions[0]  # every device runs each microbatch of each of its chunks once
+        uses = sum(1 if a.kind == "F" else 2 for a in actions)
+        grads = sum(a.kind in ("W", "BW") for a in actions)
+        return uses / s.virtual, grads / s.virtual
+
     def summary(self) -> dict[str, Any]:
         """The schedule's figures: simulated with unit op costs, and as the executor runs it."""
         s = self.spec.schedule

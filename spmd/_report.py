@@ -247,14 +247,18 @@ def report(
     pipeline = step.pipeline
     weights = {TICK_SCOPE: pipeline.branch_weights} if pipeline else None
     inventory = tuple(collectives(compiled.as_text(), mesh, branch_weights=weights))
-    analytic = costmodel.traffic(layout, plan, mesh.shape, workload)
+    uses = pipeline.weight_uses() if pipeline is not None else None
+    analytic = costmodel.traffic(layout, plan, mesh.shape, workload, stage_uses=uses)
     summary = None
     if pipeline is not None:
         params = step.abstract_state().params
         message = pipeline.activation(params, batch, step.data_axes)
-        message_bytes = math.prod(message.shape) * np.dtype(message.dtype).itemsize
+        # Batch axes the program does not run manual over (those that split parameters: FSDP) split the
+        # activations further, as the model lays them out.
+        auto = math.prod(mesh.shape[a] for a in plan.batch_axes if a not in step.data_axes)
+        message_bytes = math.prod(message.shape) * np.dtype(message.dtype).itemsize // auto
         prefix = "/".join(step.staged.layers_key) + "/"
-        outer = sum(row.bytes for row in layout.params.leaves if not row.path.startswith(prefix))
+        outer = sum(row.bytes_per_device for row in layout.params.leaves if not row.path.startswith(prefix))
         extra = costmodel.pipeline_traffic(pipeline.program.ticks, message_bytes, outer, plan.pipeline.axis, mesh.shape)
         analytic = costmodel.merge_traffic([*analytic, *extra])
         summary = {**pipeline.summary(), "slot_bytes": message_bytes}

@@ -173,7 +173,9 @@ def _stacked(row: LeafLayout) -> int:
     return depth
 
 
-def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]) -> list[Traffic]:
+def data_parallel_traffic(
+    layout: Any, plan: Plan, mesh_shape: Mapping[str, int], *, stage_uses: tuple[float, float] | None = None
+) -> list[Traffic]:
     """Collective traffic per step of the gradient reductions and parameter gathers the layouts imply.
 
     For each parameter, with ``local`` its bytes per device:
@@ -185,6 +187,10 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
     - batch axes over which only the optimizer state is split (ZeRO-1, set E): all-reduce the gradient, then
       all-gather the updated shards;
     - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer.
+
+    ``stage_uses``: in a pipeline, how many times per step a device gathers its stages' FSDP-split layers and
+    reduces their gradients, in whole stacks (see ``spmd.Pipeline.weight_uses``): every schedule action uses
+    the weights afresh, rather than once forward and once backward.
 
     >>> import spmd, strategies, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -214,15 +220,21 @@ def data_parallel_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int]
         zero1 = ((_axes(m) - p_axes) & batch) - zero2
         rest = batch - p_axes - zero2
         layers = _stacked(p)
+        staged = stage_uses is not None and bool(p.names) and p.names[0] == "stage"
         if fsdp:
             # Rematerialised layers use their weights again in the backward pass, so FSDP gathers them twice; an
             # embedding table is gathered once, since the gradient of a lookup does not need the table.
             times = 2 if plan.remat and not p.path.endswith("embedding") else 1
+            times = stage_uses[0] if staged else times
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
         grad_buffer = local * n_fsdp
         if fsdp or zero2:
-            totals.add("reduce-scatter", fsdp | zero2, grad_buffer, layers if fsdp else 1, combined=True)
+            reductions = stage_uses[1] if staged and fsdp else 1
+            totals.add(
+                "reduce-scatter", fsdp | zero2, reductions * grad_buffer, (layers if fsdp else 1) * reductions,
+                combined=True,
+            )  # fmt: skip
         n_zero2 = math.prod(sizes[a] for a in zero2)
         totals.add("all-reduce", rest, grad_buffer / (n_fsdp * n_zero2), combined=True)
         if zero2:
@@ -410,10 +422,17 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
     return totals.result()
 
 
-def traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], workload: Workload | None) -> list[Traffic]:
+def traffic(
+    layout: Any,
+    plan: Plan,
+    mesh_shape: Mapping[str, int],
+    workload: Workload | None,
+    *,
+    stage_uses: tuple[float, float] | None = None,
+) -> list[Traffic]:
     """All the traffic the model expects per step: :func:`data_parallel_traffic` plus, given a workload,
     :func:`activation_traffic`; one entry per (kind, axes), largest first."""
-    parts = data_parallel_traffic(layout, plan, mesh_shape)
+    parts = data_parallel_traffic(layout, plan, mesh_shape, stage_uses=stage_uses)
     if workload is not None:
         parts += activation_traffic(layout, plan, mesh_shape, workload)
     return merge_traffic(parts)

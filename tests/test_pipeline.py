@@ -179,6 +179,37 @@ def test_report_counts_the_pipeline_exchanges(runs):
     assert "pipeline: zb-h1 on 4 stages" in str(report)
 
 
+def test_report_counts_fsdp_inside_the_stages():
+    # FSDP stays automatic inside the stages: every action gathers its chunk's layers afresh (F once; B, W or BW
+    # twice: the recomputed forward, then the backward) and every W or BW reduces their gradient.
+    mesh_axes = {"stage": 4, "fsdp": 2}
+    plan = strategies.from_names("pp+fsdp", mesh_axes, pipeline_options=strategies.PipelineOptions("1f1b", 4))
+    model = models.get("gpt-tiny", layers=LAYERS, remat=plan.remat)
+    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh(mesh_axes), staged=model.staged)
+    step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
+    assert step.pipeline.weight_uses() == (12.0, 4.0)  # 4 F and 4 BW per device
+    compiled = {(c.kind, c.axes): c for c in report.collectives}
+    analytic = {(t.kind, t.axes): t for t in report.analytic_collectives}
+    # One device's chunks of the FSDP-split layers, gathered.
+    stack = sum(r.bytes_per_device * 2 for r in report.params if r.names and r.names[0] == "stage" and "fsdp" in r.spec)
+    assert compiled["reduce-scatter", ("fsdp",)].bytes == 4 * stack
+    gathers = compiled["all-gather", ("fsdp",)].bytes
+    assert 12 * stack <= gathers <= 1.1 * 12 * stack
+    assert gathers == pytest.approx(analytic["all-gather", ("fsdp",)].bytes, rel=0.05)
+    # Stage inputs are split over fsdp too, as the model lays out activations: half of a microbatch's each.
+    permutes = compiled["collective-permute", ("stage",)]
+    assert (
+        permutes.bytes
+        == analytic["collective-permute", ("stage",)].bytes
+        == 2 * report.pipeline["ticks"] * (report.pipeline["slot_bytes"])
+    )
+    assert report.pipeline["slot_bytes"] == (BATCH // 4) * 32 * 64 * 4 // 2
+    comm = report.comm_bytes_per_step
+    assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.1)
+    assert not [w for w in report.warnings if w.startswith("collective traffic")]
+
+
 def run_cli(capsys, *args):
     code = main(list(args))
     out, err = capsys.readouterr()
