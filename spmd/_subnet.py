@@ -2,7 +2,8 @@
 subnetwork.
 
 The parameter groups are whole blocks (``granularity="block"``: the stacked layers) or, in every layer, MLP
-hidden units and attention heads (``"neuron"``). With coverage ``C = 1/P`` the groups are cut into ``P`` equal
+hidden units, attention heads and convolution channels (``"neuron"``: the logical dimensions ``mlp``, ``heads``,
+``channels``). With coverage ``C = 1/P`` the groups are cut into ``P`` equal
 parts (a seeded permutation; per layer for neurons) and the workers into ``P`` equal owner groups (a seeded
 permutation): every group has ``W/P`` owners, every worker holds the same share, and the ownership is a pure
 function of the seed. Parameters outside any group (embeddings, norms, the head) are shared by all workers.
@@ -39,7 +40,7 @@ __all__ = ["Ownership", "SubnetSpec", "Subnetworks", "ownership"]
 
 GRANULARITIES = ("block", "neuron")
 MASKINGS = ("forward", "backward")
-NEURON_DIMS = ("mlp", "heads")  # the logical dimensions neuron-level groups cut
+NEURON_DIMS = ("mlp", "heads", "channels")  # the logical dimensions neuron-level groups cut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +193,7 @@ class Subnetworks:
         if not sizes:
             raise ValueError(
                 f"sdp: no {self.spec.granularity} groups in the parameters (stacked layers at "
-                f"{'/'.join(self.layers_key)}; neurons need logical names mlp/heads)"
+                f"{'/'.join(self.layers_key)}; neurons need logical names mlp/heads/channels)"
             )
         self.sizes = sizes
         self.owners = ownership(self.spec, self.mesh.shape[self.spec.axis], sizes, layers)

@@ -21,6 +21,7 @@ SMALL_OVERRIDES = {
     "gpt-small": {"layers": 2},
     "gpt-small-nnx": {"layers": 2},
     "moe-tiny": {"layers": 2},
+    "cnn-tiny": {"layers": 2},
 }
 
 GPT_PATHS = {
@@ -52,6 +53,18 @@ MOE_PATHS = {k: v for k, v in GPT_PATHS.items() if "/mlp/" not in k} | {
     "params/layers/moe/router": ("layers", "embed", None),
     "params/layers/moe/wi": ("layers", "expert", "embed", "mlp"),
     "params/layers/moe/wo": ("layers", "expert", "mlp", "embed"),
+}
+
+
+CNN_PATHS = {
+    "params/embed/embedding": ("vocab", "embed"),
+    "params/layers/ln/scale": ("layers", "embed"),
+    "params/layers/ln/bias": ("layers", "embed"),
+    "params/layers/conv_in/kernel": ("layers", "width", "embed", "channels"),
+    "params/layers/conv_out/kernel": ("layers", "width", "channels", "embed"),
+    "params/ln_f/scale": ("embed",),
+    "params/ln_f/bias": ("embed",),
+    "params/lm_head/kernel": ("embed", "vocab"),
 }
 
 
@@ -93,7 +106,7 @@ def test_init_is_abstract_and_fully_annotated(builtin):
 
 
 def test_param_paths_and_names(builtin):
-    expected = {"mlp": MLP_PATHS, "moe-tiny": MOE_PATHS}.get(builtin.name, GPT_PATHS)
+    expected = {"mlp": MLP_PATHS, "moe-tiny": MOE_PATHS, "cnn-tiny": CNN_PATHS}.get(builtin.name, GPT_PATHS)
     assert {path: box.names for path, box in flat(abstract(builtin)).items()} == expected
 
 

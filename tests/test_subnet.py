@@ -66,17 +66,20 @@ def _worker_grads(model, params, batch, step, masking):
 
 
 @pytest.mark.parametrize(
-    "masking,granularity",
+    "name,masking,granularity",
     [
-        ("forward", "block"),
-        pytest.param("forward", "neuron", marks=pytest.mark.slow),
-        pytest.param("backward", "neuron", marks=pytest.mark.slow),
+        ("gpt-tiny", "forward", "block"),
+        ("cnn-tiny", "forward", "neuron"),  # convolution channels
+        pytest.param("gpt-tiny", "forward", "neuron", marks=pytest.mark.slow),  # MLP units and heads
+        pytest.param("gpt-tiny", "backward", "neuron", marks=pytest.mark.slow),
     ],
 )
-def test_update_is_the_owner_average_computed_in_numpy(masking, granularity):
-    model = models.get("gpt-tiny", layers=2)
+def test_update_is_the_owner_average_computed_in_numpy(name, masking, granularity):
+    model = models.get(name, layers=2)
     step = _sdp_step(model, masking, granularity, optax.sgd(1.0))  # the update is minus the gradient
     state = step.init(model.init, jax.random.key(0))
+    groups = {"block": {"layers"}, "neuron": {"channels"} if name == "cnn-tiny" else {"mlp", "heads"}}
+    assert set(step.subnet.sizes) == groups[granularity]
     before = jax.tree.map(np.asarray, step.params_of(state))
     batch = data.batch(0, 0, 16, model.config.seq_len, model.config.vocab)
     state, _ = step(state, batch)

@@ -16,7 +16,9 @@ through a :class:`Model`:
 Built-in models (:data:`BUILTIN`, by name through :func:`get`; keyword overrides are :class:`LMConfig`
 fields): ``"mlp"`` (per-token MLP), ``"gpt-tiny"`` / ``"gpt-tiny-nnx"`` (8 layers, d_model 64, 4 heads,
 mlp 256, vocab 256, seq 32) and ``"gpt-small"`` / ``"gpt-small-nnx"`` (8 layers, d_model 512, 8 heads,
-mlp 2048, vocab 8192, seq 128; about 34M parameters, three quarters of them in the blocks).
+mlp 2048, vocab 8192, seq 128; about 34M parameters, three quarters of them in the blocks), ``"cnn-tiny"``
+(a causal convolutional LM: 8 residual blocks of width-3 convolutions into 256 channels, :mod:`spmd.models.conv`)
+and ``"moe-tiny"``.
 
 Your own model: ``get("package.module:factory", **overrides)`` (the CLI's ``--model package.module:factory``)
 imports ``package.module`` and calls ``factory(**overrides)``, which returns one of
@@ -308,26 +310,36 @@ def _gpt_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
     return factory
 
 
-# Logical dimension names a subnetwork can narrow, and the LMConfig field each is.
-NARROWABLE = {"layers": "layers", "mlp": "mlp", "heads": "heads"}
+# Per family of built-in models that can be narrowed: each logical dimension a subnetwork can narrow, and the
+# LMConfig field it is.
+NARROWABLE = {
+    "gpt": {"layers": "layers", "mlp": "mlp", "heads": "heads"},
+    "cnn": {"layers": "layers", "channels": "mlp"},
+}
 
 
 def narrowed(model: Model, sizes: Mapping[str, int]) -> Model:
-    """``model`` with logical dimensions narrowed (a subnetwork keeping some blocks, hidden units or heads):
-    ``sizes`` maps ``"layers"``, ``"mlp"`` or ``"heads"`` to the number kept. Heads keep their width.
+    """``model`` with logical dimensions narrowed (a subnetwork keeping some blocks, hidden units, heads or
+    convolution channels): ``sizes`` maps a name of :data:`NARROWABLE` to the number kept. Heads keep their width.
 
     >>> narrowed(get("gpt-tiny"), {"mlp": 128, "heads": 2}).config.head_dim
     16
+    >>> narrowed(get("cnn-tiny"), {"channels": 64}).config.mlp
+    64
     """
-    if model.staged is None or model.kind != "linen" or not model.name.startswith("gpt"):
+    family = model.name.split("-")[0]
+    if model.kind != "linen" or family not in NARROWABLE or model.name not in BUILTIN:
         raise ValueError(
             f"model {model.name!r} cannot be narrowed to a subnetwork; the built-in linen GPTs (gpt-tiny, gpt-small) "
-            f"can"
+            f"and cnn-tiny can"
         )
-    unknown = sorted(set(sizes) - set(NARROWABLE))
+    unknown = sorted(set(sizes) - set(NARROWABLE[family]))
     if unknown:
-        raise ValueError(f"narrowed: cannot narrow {unknown}; choose from {sorted(NARROWABLE)}")
-    fields = {NARROWABLE[k]: int(v) for k, v in sizes.items()}
+        raise ValueError(f"narrowed: cannot narrow {unknown} of {model.name}; choose from {sorted(NARROWABLE[family])}")
+    fields = {NARROWABLE[family][k]: int(v) for k, v in sizes.items()}
+    if family == "cnn":
+        config = dataclasses.replace(model.config, **fields)
+        return from_module(_cnn(config), name=model.name, config=config, check=False)
     config = dataclasses.replace(model.config, head_size=model.config.head_dim, **fields)
     return _gpt_model(model.name, config)
 
@@ -338,8 +350,15 @@ def _mlp(config: LMConfig) -> nn.Module:
     return MlpLM(config)
 
 
+def _cnn(config: LMConfig) -> nn.Module:
+    from spmd.models.conv import ConvLM
+
+    return ConvLM(config)
+
+
 BUILTIN: dict[str, Callable[..., Model]] = {
     "mlp": _linen_factory("mlp", TINY, _mlp),
+    "cnn-tiny": _linen_factory("cnn-tiny", TINY, _cnn),
     "gpt-tiny": _gpt_factory("gpt-tiny", TINY),
     "gpt-tiny-nnx": _nnx_factory("gpt-tiny-nnx", TINY),
     "gpt-small": _gpt_factory("gpt-small", SMALL),
@@ -382,7 +401,7 @@ def get(name: str, **overrides: Any) -> Model:
     >>> get("gpt-huge")
     Traceback (most recent call last):
     ...
-    ValueError: unknown model 'gpt-huge'; known models: gpt-small, gpt-small-nnx, gpt-tiny, gpt-tiny-nnx, mlp, moe-tiny, or 'package.module:factory' for your own
+    ValueError: unknown model 'gpt-huge'; known models: cnn-tiny, gpt-small, gpt-small-nnx, gpt-tiny, gpt-tiny-nnx, mlp, moe-tiny, or 'package.module:factory' for your own
     """  # noqa: E501
     if name in BUILTIN:
         return BUILTIN[name](**overrides)

@@ -41,7 +41,7 @@ from spmd._context import constrain
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 
-__all__ = ["GPT", "causal_attention", "staged", "EMBED_INIT", "DENSE_INIT"]
+__all__ = ["GPT", "causal_attention", "scanned", "staged", "EMBED_INIT", "DENSE_INIT"]
 
 # Logical names of activations at block boundaries (see spmd._context.constrain).
 RESIDUAL = ("batch", "seq", "embed")
@@ -208,6 +208,22 @@ def _lm_head(c: LMConfig, name: str = "lm_head") -> nn.Module:
     )
 
 
+def scanned(block: type[nn.Module], c: LMConfig) -> Callable[..., nn.Module]:
+    """``block`` (returning ``(x, None)``) stacked ``c.layers`` times with ``nn.scan``: its parameters get a
+    leading ``"layers"`` dimension, and compile time does not grow with depth. With ``c.remat`` each scanned
+    step recomputes its activations in the backward pass (remat before scan; ``prevent_cse`` is unnecessary
+    inside a scan, and off it lets XLA optimise the recomputation)."""
+    if c.remat:
+        block = nn.remat(block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=c.layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
 def _check_length(c: LMConfig, seq: int) -> None:
     if seq > c.seq_len:
         # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
@@ -228,19 +244,7 @@ class GPT(nn.Module):
         positions = _position_embed(c)(jnp.arange(seq))
         x = constrain(x + positions[None], RESIDUAL)
 
-        block = Block
-        if c.remat:
-            # Remat before scan: each scanned step recomputes its activations in the backward pass.
-            # prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation.
-            block = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        stack = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = stack(c, name="layers")(x)
+        x, _ = scanned(Block, c)(c, name="layers")(x)
 
         x = _layer_norm(c, "ln_f")(x)
         return constrain(_lm_head(c)(x), LOGITS)

@@ -48,7 +48,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd._context import active, constrain
 from spmd.models.config import LMConfig
-from spmd.models.gpt import DENSE_INIT, EMBED_INIT, LOGITS, RESIDUAL, CausalSelfAttention, _layer_norm, _named
+from spmd.models.gpt import (
+    DENSE_INIT,
+    EMBED_INIT,
+    LOGITS,
+    RESIDUAL,
+    CausalSelfAttention,
+    _layer_norm,
+    _named,
+    scanned,
+)
 
 __all__ = ["MoeGPT", "MoeMlp", "capacity", "route"]
 
@@ -218,17 +227,7 @@ class MoeGPT(nn.Module):
         )(jnp.arange(seq))
         x = constrain(x + positions[None], RESIDUAL)
 
-        block = MoeBlock
-        if c.remat:  # as gpt.py: each scanned layer recomputes its activations in the backward pass
-            block = nn.remat(MoeBlock, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        stack = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        x, _ = stack(c, self.experts, self.top_k, self.capacity_factor, name="layers")(x)
+        x, _ = scanned(MoeBlock, c)(c, self.experts, self.top_k, self.capacity_factor, name="layers")(x)
 
         x = _layer_norm(c, "ln_f")(x)
         head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
