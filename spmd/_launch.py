@@ -7,7 +7,8 @@ the first process's standard output as it is (the job's result: spmd prints only
 are stopped rather than left waiting on a collective that can never complete.
 
 On a real cluster there is no launcher: :func:`initialize` calls ``jax.distributed.initialize()``, which reads
-the cluster's own environment (SLURM, Open MPI, Cloud TPU, Kubernetes...).
+the cluster's own environment (SLURM, Open MPI, Cloud TPU, Kubernetes...) — by itself when the environment says
+the job has several processes (:func:`cluster_processes`), or when asked (``--distributed``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
-__all__ = ["ENV", "initialize", "launch"]
+__all__ = ["ENV", "cluster_processes", "initialize", "launch"]
 
 # The environment the launcher gives each process.
 ENV = {
@@ -41,10 +42,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_processes(environ: Mapping[str, str] = os.environ) -> int:
+    """How many processes the cluster's environment says this job step runs (1 when it says nothing): a SLURM
+    step (``srun``; a bare allocation is not a step), Open MPI or MPICH (``mpirun``), a multi-host Cloud TPU.
+
+    >>> cluster_processes({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}), cluster_processes({})
+    (4, 1)
+    >>> cluster_processes({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})  # salloc, no srun: one process
+    1
+    """
+    counts = [
+        environ.get("SLURM_STEP_NUM_TASKS") if "SLURM_STEP_ID" in environ else None,
+        environ.get("OMPI_COMM_WORLD_SIZE"),
+        environ.get("PMI_SIZE"),
+        str(len(environ["TPU_WORKER_HOSTNAMES"].split(","))) if environ.get("TPU_WORKER_HOSTNAMES") else None,
+    ]
+    return max([1, *(int(c) for c in counts if c and c.isdigit())])
+
+
 def initialize(*, cluster: bool = False) -> bool:
-    """Joins the job: from the launcher's environment if present, else (``cluster=True``) from the cluster's own
-    (``jax.distributed.initialize()`` detects it). Returns whether this is a multi-process run. Call it before
-    anything starts JAX's backend."""
+    """Joins the job: from the launcher's environment if present, else from the cluster's own
+    (``jax.distributed.initialize()`` detects it) when ``cluster=True`` or when :func:`cluster_processes` finds
+    several processes. Returns whether this is a multi-process run. Call it before anything starts JAX's
+    backend."""
     import jax
 
     if ENV["coordinator"] in os.environ:
@@ -59,7 +79,7 @@ def initialize(*, cluster: bool = False) -> bool:
             heartbeat_timeout_seconds=HEARTBEAT_S,
         )
         return True
-    if cluster:
+    if cluster or cluster_processes() > 1:
         jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_S)
         return jax.process_count() > 1
     return False

@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
         p.add_argument("--devices", type=int, help="emulate N CPU devices (default: the accelerators, else 8 CPUs)")
         p.add_argument(
-            "--distributed", action="store_true", help="join a multi-process job from the cluster's environment"
+            "--distributed",
+            action="store_true",
+            help="join a multi-process job from the cluster's environment (automatic under srun, mpirun, TPU pods)",
         )
         p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
         p.add_argument("--batch-size", type=int, default=32, help="global batch size (sequences)")
