@@ -271,17 +271,21 @@ def report(
         own = costmodel.subnet_traffic(subnet, plan.subnet.axis, masking=plan.subnet.masking)
         analytic = costmodel.merge_traffic([*activations, *own])
     analytic = tuple(analytic)
+    if pipeline is None:
+        activation_bytes = int(costmodel.activation_bytes(layout.params.leaves, plan, mesh.shape, workload))
+    else:
+        # A pipeline keeps stage inputs and their gradients in slots, and one tick's working set is live.
+        schedule = pipeline.spec.schedule
+        micro = dataclasses.replace(workload, batch=workload.batch // schedule.microbatches)
+        tick = costmodel.pipeline_tick_bytes(layout.params.leaves, plan, mesh.shape, micro, schedule.virtual)
+        activation_bytes = 2 * summary["slots"] * summary["slot_bytes"] + int(tick)
     state = costmodel.model_state_bytes(layout)
     batch_ways = math.prod(mesh.shape[a] for a in plan.batch_axes)
     batch_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // batch_ways
     analytic_memory = {
         # The step's arguments: the training state (parameters, optimizer state, the int32 step) and the batch.
         "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
-        "activation_bytes": (
-            int(costmodel.activation_bytes(layout.params.leaves, plan, mesh.shape, workload))
-            if summary is None
-            else 2 * summary["slots"] * summary["slot_bytes"]  # a pipeline keeps stage inputs and their gradients
-        ),
+        "activation_bytes": activation_bytes,
         "padding_bytes": costmodel.padding_bytes(layout),
     }
     # Temporaries: the gradients, the optimizer's parameter-sized update, and the kept activations.

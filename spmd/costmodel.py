@@ -49,6 +49,7 @@ __all__ = [
     "model_state_bytes",
     "merge_traffic",
     "padding_bytes",
+    "pipeline_tick_bytes",
     "pipeline_traffic",
     "step_time",
     "subnet_traffic",
@@ -491,6 +492,24 @@ def flops_per_device(
         width = m.local(m.out_dims, model_axes, sizes)
         total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
     return total
+
+
+def pipeline_tick_bytes(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], microbatch: Workload, virtual: int
+) -> float:
+    """What one device holds while a pipeline tick differentiates one chunk for one microbatch: the chunk's
+    activations, all of them (its vjp keeps them; remat does not reach inside a tick), and its layers'
+    FSDP-gathered weights with their gradient. ``params``: the stored rows (``[stage, chunk, layer, ...]``
+    for the stacked layers); ``virtual``: chunks per device."""
+    params = list(params)
+    acts = activation_bytes(params, dataclasses.replace(plan, remat=False), mesh_shape, microbatch)
+    batch = set(plan.batch_axes)
+    gathered = sum(
+        row.bytes_per_device * math.prod(mesh_shape[a] for a in _axes(row) & batch)
+        for row in params
+        if row.names and row.names[0] == "stage" and _axes(row) & batch
+    )
+    return (acts + 2 * gathered) / virtual
 
 
 def activation_bytes(

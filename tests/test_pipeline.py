@@ -10,7 +10,7 @@ import pytest
 
 import spmd
 import strategies
-from spmd import data, models
+from spmd import costmodel, data, models
 from spmd._pipeline import IDLE, Placement, tick_program
 from spmd._schedule import Costs, ScheduleError, simulate
 from spmd.cli import main
@@ -208,6 +208,14 @@ def test_report_counts_fsdp_inside_the_stages():
     comm = report.comm_bytes_per_step
     assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.1)
     assert not [w for w in report.warnings if w.startswith("collective traffic")]
+    # Memory: the kept stage inputs and their gradients, and one tick's working set (a chunk's activations for
+    # one microbatch, its gathered layers and their gradient), which dominates at this size (6× without it).
+    tick = costmodel.pipeline_tick_bytes(
+        step.layout.params.leaves, plan, mesh_axes, costmodel.Workload(batch=BATCH // 4, seq_len=32), 1
+    )
+    slots = 2 * report.pipeline["slots"] * report.pipeline["slot_bytes"]
+    assert tick > 2 * stack and report.analytic_memory["activation_bytes"] == slots + int(tick)
+    assert report.compiled_memory["temp_bytes"] <= 2 * report.analytic_memory["temp_bytes"]
 
 
 def run_cli(capsys, *args):
