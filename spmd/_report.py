@@ -125,7 +125,8 @@ class Report:
         )
         if am.get("padding_bytes"):
             memory.add_row("  of which block padding", format_bytes(am["padding_bytes"]), "")
-        memory.add_row("activations kept for backward", format_bytes(am.get("activation_bytes")), "")
+        kept = "stage inputs kept, one tick's working set" if self.pipeline else "activations kept for backward"
+        memory.add_row(kept, format_bytes(am.get("activation_bytes")), "")
         memory.add_row(
             "temporaries (grads, update, activations)",
             format_bytes(am.get("temp_bytes")),
