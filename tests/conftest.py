@@ -20,3 +20,12 @@ def assert_trees_close(actual, desired, rtol=PARAM_RTOL, atol=PARAM_ATOL, *, rel
         x, y = np.asarray(x), np.asarray(y)
         tol = atol * max(float(np.max(np.abs(y), initial=0)), 1e-30) if relative_to_max else atol
         np.testing.assert_allclose(x, y, rtol=rtol, atol=tol)
+
+
+def run_cli(capsys, *args):
+    """``spmd`` with ``args`` in this process: its exit status, standard output and standard error."""
+    from spmd.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -7,14 +7,9 @@ import sys
 import pytest
 
 from spmd import cli
+from tests.conftest import run_cli
 
 MESH = ["--mesh", "data=2,fsdp=2,tensor=2"]
-
-
-def run_cli(capsys, *args):
-    code = cli.main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 
 import spmd
 from spmd import costmodel, data, models
-from spmd.cli import main
 from strategies import hetero
+from tests.conftest import run_cli
 
 
 def test_acceptance_shares_follow_the_speeds():
@@ -91,14 +91,8 @@ def test_uneven_data_parallel_loops_differently_and_equals_one_device():
         step.uneven.value_and_grad(state.params, data.batch(0, 0, 48, 32, 256))
 
 
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_run_uneven_data_parallel_checked(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--device-speeds",
         "3,3,1,1,1,1,2,2", "--batch-size", "56", "--steps", "2", "--check", "--json",
     )  # fmt: skip
@@ -107,7 +101,7 @@ def test_cli_run_uneven_data_parallel_checked(capsys):
 
 
 def test_cli_run_uneven_pipeline_stages_checked(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--device-speeds",
         "3,3,3,3,1,1,1,1", "--microbatches", "8", "--batch-size", "16", "--steps", "2", "--check", "--json",
     )  # fmt: skip
@@ -118,7 +112,7 @@ def test_cli_run_uneven_pipeline_stages_checked(capsys):
 @pytest.mark.slow  # shares and their caps are checked through the API in the default tier
 def test_cli_plan_json_and_memory(capsys, tmp_path):
     args = ["plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "56", "--json"]
-    code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2")
+    code, out, _ = run_cli(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2")
     j = json.loads(out)
     assert code == 0 and j["batch_shares"] == [12, 12, 4, 4, 4, 4, 8, 8] and sum(j["batch_shares"]) == 56
     assert j["ideal_speedup"] == pytest.approx(14 / 8)
@@ -127,27 +121,27 @@ def test_cli_plan_json_and_memory(capsys, tmp_path):
     profile = {"devices": [{"kind": "fast", "speed": 3, "memory": "8MiB"}, {"kind": "fast", "speed": 3}]}
     profile["devices"] += [{"kind": "slow", "speed": s} for s in (1, 1, 1, 1, 2, 2)]
     (tmp_path / "p.json").write_text(json.dumps(profile))
-    code, out, _ = run(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
+    code, out, _ = run_cli(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
     shares = json.loads(out)["batch_shares"]
     assert code == 0 and sum(shares) == 56 and shares[0] < shares[1]
     # A device with a slow link on the data axis paces its all-reduces: the modelled communication is the
     # analytic traffic over that link's bandwidth, and the uneven plan's step time includes it.
     profile["devices"][5]["bandwidth"] = {"data": 1e8}
     (tmp_path / "p.json").write_text(json.dumps(profile))
-    code, out, _ = run(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
+    code, out, _ = run_cli(capsys, *args, "--device-profile", str(tmp_path / "p.json"))
     j = json.loads(out)
     latency = costmodel.HARDWARE["cpu"].ici_latency
     expected = sum(t["traffic_bytes"] / 1e8 + t["count"] * latency for t in j["analytic_collectives"])
     assert code == 0 and j["modelled_step_time"]["comm_s"] == pytest.approx(expected, rel=1e-6) and expected > 0
     assert j["simulated_step_time"]["hetero"] > expected
     # --even keeps the homogeneous split and prices it against the profile: no speedup.
-    code, out, _ = run(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2", "--even")
+    code, out, _ = run_cli(capsys, *args, "--device-speeds", "3,3,1,1,1,1,2,2", "--even")
     j = json.loads(out)
     assert j["batch_shares"] is None and j["simulated_speedup"] == pytest.approx(1.0)
 
 
 def test_cli_profile_measures_devices(capsys, tmp_path):
-    code, out, _ = run(capsys, "profile", "--size", "64", "--out", str(tmp_path / "p.json"))
+    code, out, _ = run_cli(capsys, "profile", "--size", "64", "--out", str(tmp_path / "p.json"))
     j = json.loads(out)
     assert code == 0 and len(j["devices"]) == 8 and all(d["speed"] > 0 for d in j["devices"])
     assert spmd.Profile.load(str(tmp_path / "p.json")).speeds == tuple(float(d["speed"]) for d in j["devices"])
@@ -166,5 +160,5 @@ def test_cli_profile_measures_devices(capsys, tmp_path):
     ],
 )
 def test_cli_profile_mistakes(capsys, extra, message):
-    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "data=8", "--batch-size", "40", *extra)
+    code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", "data=8", "--batch-size", "40", *extra)
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err

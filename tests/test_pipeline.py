@@ -13,8 +13,7 @@ import strategies
 from spmd import costmodel, data, models
 from spmd._pipeline import IDLE, Placement, tick_program
 from spmd._schedule import Costs, ScheduleError, simulate
-from spmd.cli import main
-from tests.conftest import assert_trees_close
+from tests.conftest import assert_trees_close, run_cli
 
 STEPS, BATCH, LAYERS = 2, 16, 8
 MESHES = {
@@ -216,12 +215,6 @@ def test_report_counts_fsdp_inside_the_stages():
     slots = 2 * report.pipeline["slots"] * report.pipeline["slot_bytes"]
     assert tick > 2 * stack and report.analytic_memory["activation_bytes"] == slots + int(tick)
     assert report.compiled_memory["temp_bytes"] <= 2 * report.analytic_memory["temp_bytes"]
-
-
-def run_cli(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_run_pipelined_check(capsys):

@@ -24,17 +24,11 @@ import strategies
 from spmd import models
 from spmd._checkpoint import Checkpoints
 from spmd._launch import free_port
-from spmd.cli import main
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 SPMD = [sys.executable, "-m", "spmd"]
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def last_json(text):
@@ -103,14 +97,16 @@ def test_a_dead_peer_stops_the_job_within_a_minute(tmp_path):
 
 def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     ck = str(tmp_path / "ck")
-    _, out, _ = run(capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8", "--steps", "4", "--json")
+    _, out, _ = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8", "--steps", "4", "--json"
+    )
     straight = json.loads(out)["losses"]
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "fsdp=8", "--strategy", "fsdp", "--steps",
         "2", "--checkpoint-dir", ck, "--json",
     )  # fmt: skip
     assert code == 0 and json.loads(out)["checkpoint_step"] == 2
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=2,tensor=4", "--strategy", "dp+tp",
         "--steps", "4", "--checkpoint-dir", ck, "--resume", "--json",
     )  # fmt: skip
@@ -120,7 +116,7 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     assert sorted(os.listdir(ck)) == ["2", "4"]
     # A pipeline stores its layers stacked per stage; checkpoints hold the model's layout, so it resumes too.
     shutil.rmtree(os.path.join(ck, "4"))
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "stage=2,data=4", "--strategy", "pp+dp",
         "--microbatches", "2", "--steps", "4", "--checkpoint-dir", ck, "--resume", "--json",
     )  # fmt: skip
@@ -206,7 +202,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path):
 def test_resume_mistakes_are_explained(capsys, tmp_path):
     ck = str(tmp_path / "ck")
     base = ["run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8"]
-    assert run(capsys, *base, "--steps", "2", "--checkpoint-dir", ck, "--json")[0] == 0
+    assert run_cli(capsys, *base, "--steps", "2", "--checkpoint-dir", ck, "--json")[0] == 0
     (tmp_path / "empty").mkdir()
     cases = [
         (["--checkpoint-dir", str(tmp_path / "none")], r"checkpoint directory '.*none' does not exist"),
@@ -220,20 +216,20 @@ def test_resume_mistakes_are_explained(capsys, tmp_path):
         (["--checkpoint-dir", ck, "--steps", "2"], r"the checkpoint is at step 2; --steps 2 asks for none more"),
     ]
     for extra, message in cases:
-        code, _, err = run(capsys, *base, "--steps", "4", "--resume", *extra)  # later flags win
+        code, _, err = run_cli(capsys, *base, "--steps", "4", "--resume", *extra)  # later flags win
         assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), (extra, err)
     # A corrupt checkpoint: one of its array files cut in half.
     victim = next(
         p for p in sorted((tmp_path / "ck" / "2" / "state").rglob("*")) if p.is_file() and p.stat().st_size > 1000
     )
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    code, _, err = run(capsys, *base, "--steps", "4", "--resume", "--checkpoint-dir", ck)
+    code, _, err = run_cli(capsys, *base, "--steps", "4", "--resume", "--checkpoint-dir", ck)
     assert code == 2 and re.search(r"checkpoint step 2 in .* cannot be read .* corrupt", err), err
     for args, message in (
         (["--resume"], r"--resume needs --checkpoint-dir"),
         (["--resume", "--checkpoint-dir", ck, "--check"], r"--check .* cannot follow --resume"),
     ):
-        code, _, err = run(capsys, *base, *args)
+        code, _, err = run_cli(capsys, *base, *args)
         assert code == 2 and re.search(message, err), err
 
 

@@ -9,7 +9,7 @@ import pytest
 import strategies
 from spmd._gantt import gantt_text
 from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate, validate
-from spmd.cli import main
+from tests.conftest import run_cli
 
 
 def bubble(name, p, m, v=1):
@@ -148,25 +148,19 @@ def test_ticks_and_gantt():
         simulate(strategies.pipeline_schedule("1f1b", stages=2, microbatches=2)).ticks()
 
 
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_schedule_json_text_and_plot(capsys, tmp_path):
-    code, out, _ = run(capsys, "schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--json")
+    code, out, _ = run_cli(capsys, "schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--json")
     j = json.loads(out)
     assert code == 0 and j["bubble_fraction"] == pytest.approx(3 / 27) and j["makespan"] == 27
     assert j["peak_inflight"] == [4, 3, 2, 1] and len(j["actions"]) == 4 and len(j["actions"][0]) == 24
-    code, out, _ = run(capsys, "schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
+    code, out, _ = run_cli(capsys, "schedule", "--schedule", "gpipe", "--stages", "2", "--microbatches", "2")
     assert code == 0 and "device 1 │ .   F0" in out and "bubble fraction 0.3333 (1/3)" in out
     plot = tmp_path / "g.png"
-    code, _, _ = run(capsys, "schedule", "--schedule", "bfs", "--virtual", "2", "--plot", str(plot), "--json")
+    code, _, _ = run_cli(capsys, "schedule", "--schedule", "bfs", "--virtual", "2", "--plot", str(plot), "--json")
     assert code == 0 and plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 10_000
     table = tmp_path / "t.csv"
     table.write_text("F0,BW0,F1,BW1\nF0,BW0,F1,BW1\n")
-    code, out, _ = run(capsys, "schedule", "--schedule", str(table), "--json")
+    code, out, _ = run_cli(capsys, "schedule", "--schedule", str(table), "--json")
     assert code == 0 and json.loads(out)["makespan"] == 12  # one microbatch at a time: no overlap
 
 
@@ -183,5 +177,5 @@ def test_cli_schedule_json_text_and_plot(capsys, tmp_path):
 def test_cli_schedule_mistakes(capsys, args, message):
     import re
 
-    code, _, err = run(capsys, "schedule", *args)
+    code, _, err = run_cli(capsys, "schedule", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err

@@ -14,7 +14,7 @@ import spmd
 import strategies
 from spmd import data, models
 from spmd._subnet import SubnetSpec, ownership
-from spmd.cli import main
+from tests.conftest import run_cli
 
 MESH = {"data": 8}
 
@@ -177,14 +177,8 @@ def test_backward_masking_shrinks_gradients_and_optimizer_state(small_reports):
     assert sdp.comm_bytes_per_step["compiled"] == pytest.approx(sdp.comm_bytes_per_step["analytic"], rel=0.01)
 
 
-def run(capsys, *args):
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_run_sdp_reduces_the_loss(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "sdp", "--coverage", "0.5",
         "--masking", "forward", "--steps", "30", "--json",
     )  # fmt: skip
@@ -204,7 +198,7 @@ def test_cli_run_sdp_reduces_the_loss(capsys):
     ],
 )
 def test_cli_sdp_mistakes(capsys, args, message):
-    code, _, err = run(capsys, "plan", "--mesh", "data=8", "--strategy", "sdp", *args)
+    code, _, err = run_cli(capsys, "plan", "--mesh", "data=8", "--strategy", "sdp", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
