@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +30,19 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd import axes as names
 from spmd._context import constrain
-from spmd._schedule import Action, Costs, PipelineSpec, Schedule, ScheduleError, simulate
-from spmd._tree import is_box
+from spmd._executor import Executor, Summary, Task
+from spmd._format import format_bytes
+from spmd._layout import StateLayout, stored_abstract
+from spmd._resolve import PlanWarning
+from spmd._rules import PlanError
+from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate
+from spmd._specs import PipelineSpec
+from spmd._tree import is_box, leaves_with_paths
+from spmd.costmodel import Contribution, Workload, data_parallel_traffic, pipeline_tick_bytes, pipeline_traffic
 
-__all__ = ["Pipeline", "StagedModel", "TickProgram", "split_layers", "tick_program"]
+__all__ = ["Pipeline", "StagedModel", "TickProgram", "pipeline_executor", "split_layers", "tick_program"]
 
 # Action codes of the tick table and of the switch's branches.
 IDLE, F, B, W, BW = range(5)
@@ -58,7 +67,7 @@ class StagedModel:
     embed: Callable[[Any, Any], jax.Array]
     layer: Callable[[Any, jax.Array], jax.Array]
     loss: Callable[[Any, jax.Array, Any], jax.Array]
-    layers_key: tuple[str, ...] = ("params", "layers")
+    layers_key: tuple[str, ...] = ("params", names.LAYERS)
     activation_names: tuple[str | None, ...] | None = None
 
 
@@ -229,11 +238,37 @@ def tick_program(schedule: Schedule, placement: Placement) -> TickProgram:
 
 
 # ------------------------------------------------------------------------------------------------ executor
-class Pipeline:
-    """The executor for one model, pipeline spec and mesh: restacks parameters, and gives the loss and the
-    gradients of a batch computed by running the schedule (``value_and_grad``)."""
+class _Device(NamedTuple):
+    """What every tick of one device's program reads: its chunks' weights, the replicated outer parameters,
+    the microbatches, one layer-stack function per stage depth, and how to lay out kept stage inputs."""
 
-    def __init__(self, staged: StagedModel, spec: PipelineSpec, mesh: Mesh, layers: int) -> None:
+    weights: Any
+    outer: Any
+    micro: Any
+    depths: list[Callable]
+    lay_out: Callable[[jax.Array], jax.Array]
+    replicate: Callable[[Any], Any]
+    shards: int
+
+
+class Pipeline:
+    """The engine for one model, pipeline spec and mesh: restacks parameters, and gives the loss and the
+    gradients of a batch computed by running the schedule (``value_and_grad``).
+
+    ``data_axes``: batch axes that split no parameter. The program is manual over them too, so each device
+    sums its own microbatches' weight gradients and they are reduced once, after the last tick, rather than by
+    XLA at every W.
+
+    >>> import spmd, strategies
+    >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
+    >>> engine = Pipeline(None, strategies.pipeline("1f1b", stages=2, microbatches=4).execution, mesh, layers=4)
+    >>> engine.placement.counts, engine.program.ticks
+    ((2, 2), 10)
+    """
+
+    def __init__(
+        self, staged: StagedModel, spec: PipelineSpec, mesh: Mesh, layers: int, data_axes: Sequence[str] = ()
+    ) -> None:
         if spec.axis not in mesh.shape:
             raise ScheduleError(f"pipeline: the mesh has no axis {spec.axis!r} ({dict(mesh.shape)})")
         if mesh.shape[spec.axis] != spec.schedule.stages:
@@ -241,7 +276,7 @@ class Pipeline:
                 f"pipeline: schedule {spec.schedule.name} is for {spec.schedule.stages} stages but mesh axis "
                 f"{spec.axis!r} has {mesh.shape[spec.axis]} devices"
             )
-        self.staged, self.spec, self.mesh = staged, spec, mesh
+        self.staged, self.spec, self.mesh, self.data_axes = staged, spec, mesh, tuple(data_axes)
         counts = split_layers(layers, spec.schedule.total_stages, spec.layers_per_stage)
         self.placement = Placement(spec.schedule, counts)
         self.program = tick_program(spec.schedule, self.placement)
@@ -249,13 +284,13 @@ class Pipeline:
     # -- parameter layout ---------------------------------------------------------------------------------
     def stack(self, params: Any) -> Any:
         """The model's parameters (boxed, plain or abstract) with the stacked layers laid out per stage."""
-        names = ("stage", "chunk")
+        stacking = (names.STAGE, names.CHUNK)
 
         def one(x: Any) -> Any:
             if is_box(x):
                 value = one_value(x.value)
-                return x.replace(value=value, names=names + tuple(x.names))
-            return nn.LogicallyPartitioned(one_value(x), names + ("layers",) + (None,) * (np.ndim(x) - 1))
+                return x.replace(value=value, names=stacking + tuple(x.names))
+            return nn.LogicallyPartitioned(one_value(x), stacking + (names.LAYERS,) + (None,) * (np.ndim(x) - 1))
 
         def one_value(v: Any) -> Any:
             if isinstance(v, jax.ShapeDtypeStruct):
@@ -271,18 +306,14 @@ class Pipeline:
         return _set(params, self.staged.layers_key, layers)
 
     # -- the step -----------------------------------------------------------------------------------------
-    def value_and_grad(self, params: Any, batch: Any, *, data_axes: Sequence[str] = ()) -> tuple[jax.Array, Any]:
-        """Loss and gradients of ``batch`` (split into the schedule's microbatches), params as stacked.
-
-        ``data_axes``: batch axes that split no parameter. The program is manual over them too, so each device
-        sums its own microbatches' weight gradients and they are reduced once, after the last tick, rather
-        than by XLA at every W."""
-        loss, grads, _ = self._run(params, batch, tuple(data_axes))
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """Loss and gradients of ``batch`` (split into the schedule's microbatches), params as stacked."""
+        loss, grads, _ = self._run(params, batch)
         return loss, grads
 
-    def executed(self, params: Any, batch: Any, *, data_axes: Sequence[str] = ()) -> np.ndarray:
+    def executed(self, params: Any, batch: Any) -> np.ndarray:
         """Runs the schedule once and returns ``[tick, device]`` the action code each device's switch took."""
-        _, _, codes = jax.jit(self._run, static_argnums=2)(params, batch, tuple(data_axes))
+        _, _, codes = jax.jit(self._run)(params, batch)
         return np.asarray(codes).T
 
     @property
@@ -306,11 +337,11 @@ class Pipeline:
 
         return jax.tree.map(split, batch)
 
-    def activation(self, params: Any, batch: Any, data_axes: Sequence[str] = ()) -> jax.ShapeDtypeStruct:
+    def activation(self, params: Any, batch: Any) -> jax.ShapeDtypeStruct:
         """One device's stage input (a kept slot, a message between stages) for this batch."""
         first = lambda batch: jax.tree.map(lambda x: x[0], self._microbatches(batch))  # noqa: E731
         x = jax.eval_shape(lambda p, b: self.staged.embed(p, first(b)), params, batch)
-        shards = math.prod(self.mesh.shape[a] for a in data_axes)
+        shards = math.prod(self.mesh.shape[a] for a in self.data_axes)
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
 
     def weight_uses(self) -> tuple[float, float]:
@@ -322,7 +353,7 @@ class Pipeline:
         >>> import spmd, strategies
         >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
         >>> plan = strategies.pipeline("zb-h1", stages=2, microbatches=4)
-        >>> Pipeline(None, plan.pipeline, mesh, layers=4).weight_uses()  # 4 F, 4 B, 4 W
+        >>> Pipeline(None, plan.execution, mesh, layers=4).weight_uses()  # 4 F, 4 B, 4 W
         (20.0, 4.0)
         """
         s = self.spec.schedule
@@ -331,7 +362,7 @@ class Pipeline:
         grads = sum(a.kind in ("W", "BW") for a in actions)
         return uses / s.virtual, grads / s.virtual
 
-    def summary(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, Any]:
         """The schedule's figures: simulated with unit op costs, and as the executor runs it."""
         s = self.spec.schedule
         timeline = simulate(s)
@@ -348,16 +379,15 @@ class Pipeline:
             "slots": self.program.slots,
         }
 
-    def _run(self, params: Any, batch: Any, data_axes: tuple[str, ...]) -> tuple[jax.Array, Any, jax.Array]:
-        axis = self.spec.axis
+    def _run(self, params: Any, batch: Any) -> tuple[jax.Array, Any, jax.Array]:
+        axis, data_axes = self.spec.axis, self.data_axes
         micro = self._microbatches(batch)
         stacked = _get(params, self.staged.layers_key)
         outer = _set(params, self.staged.layers_key, None)
-        x_abstract = self.activation(params, batch, data_axes)
+        x_abstract = self.activation(params, batch)
         batch_spec = PartitionSpec(None, data_axes or None)
-        body = functools.partial(self._body, x_abstract=x_abstract, data_axes=data_axes)
         run = jax.shard_map(
-            body,
+            functools.partial(self._body, x_abstract=x_abstract),
             mesh=self.mesh,
             in_specs=(PartitionSpec(axis), PartitionSpec(), batch_spec, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec(axis)),
@@ -367,15 +397,8 @@ class Pipeline:
         loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(self.program.table))
         return loss, _set(grad_outer, self.staged.layers_key, grad_layers), codes
 
-    def _body(
-        self, stacked: Any, outer: Any, micro: Any, table: jax.Array, *, x_abstract: Any, data_axes: tuple[str, ...]
-    ) -> tuple:
-        axis, staged, schedule = self.spec.axis, self.staged, self.spec.schedule
-        p, m = schedule.stages, schedule.microbatches
-        # Each device's loss is the mean over its own rows: the mean over all is their mean over data_axes.
-        shards = math.prod(self.mesh.shape[a] for a in data_axes)
-        weights = jax.tree.map(lambda a: a[0], stacked)  # this device's [chunk, layer, ...]
-        rows = table[:, jax.lax.axis_index(axis)]
+    def _body(self, stacked: Any, outer: Any, micro: Any, table: jax.Array, *, x_abstract: Any) -> tuple:
+        axis, data_axes = self.spec.axis, self.data_axes
         # The embedding and the head run inside the switch's branches, on one stage's devices only. A collective
         # there that spans every stage (XLA writes each collective-permute for all devices) would wait forever
         # for the devices in other branches, so they are gathered whole here, once, and the kept stage inputs
@@ -383,79 +406,89 @@ class Pipeline:
         # one stage's devices.
         whole = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
         replicate = lambda tree: jax.lax.with_sharding_constraint(tree, whole)  # noqa: E731
-        outer = replicate(outer)
-        names = staged.activation_names
-        lay_out = (lambda x: constrain(x, (None, *names))) if names else (lambda x: x)  # noqa: E731
+        logical = self.staged.activation_names
+        lay_out = (lambda x: constrain(x, (None, *logical))) if logical else (lambda x: x)  # noqa: E731
+        device = _Device(
+            weights=jax.tree.map(lambda a: a[0], stacked),  # this device's [chunk, layer, ...]
+            outer=replicate(outer),
+            micro=micro,
+            # One branch per distinct stage depth, so a shallower stage really computes less.
+            depths=[functools.partial(self._layers, count=k) for k in self.placement.branches],
+            lay_out=lay_out,
+            replicate=replicate,
+            # Each device's loss is the mean over its own rows: the mean over all is their mean over data_axes.
+            shards=math.prod(self.mesh.shape[a] for a in data_axes),
+        )
         slots = lay_out(jnp.zeros((self.program.slots, *x_abstract.shape), x_abstract.dtype))
-        # One branch per distinct stage depth, so a shallower stage really computes less.
-        depths = [functools.partial(self._layers, count=k) for k in self.placement.branches]
-
-        def tick(carry: tuple, row: jax.Array) -> tuple:
-            inputs, grads_in, grad_w, grad_outer, loss = carry
-            kind, mb, chunk, slot, first, last, branch, recv_f, recv_b = (row[i] for i in range(len(FIELDS)))
-            batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, 0, keepdims=False), micro)
-            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), weights)
-            x_in, g_out = inputs[slot], grads_in[slot]
-
-            def forward(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
-                x = jnp.where(first, staged.embed(outer, batch), x_in)
-                return depths[0](w, x) if len(depths) == 1 else jax.lax.switch(branch, depths, w, x)
-
-            def head(outer: Any, y: jax.Array) -> jax.Array:
-                return staged.loss(outer, y, batch) / (m * shards)
-
-            def objective(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
-                # The backward of a stage is the gradient of this scalar: the microbatch's share of the loss on
-                # the last stage, else the output paired with the output gradient the next stage sent.
-                y = forward(w, outer, x_in)
-                return jax.lax.cond(last, head, lambda _, y: jnp.vdot(y, g_out).astype(jnp.float32), outer, y)
-
-            def accumulate(grad_w: Any, dw: Any) -> Any:
-                return jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grad_w, dw)
-
-            zeros = jnp.zeros_like(x_in)
-
-            def idle() -> tuple:
-                return zeros, zeros, grad_w, grad_outer, loss, IDLE
-
-            def fwd() -> tuple:
-                y = forward(w, outer, x_in)
-                share = jax.lax.cond(last, head, lambda *_: jnp.zeros((), jnp.float32), outer, y)
-                return y, zeros, grad_w, grad_outer, loss + share, F
-
-            def input_grad() -> tuple:
-                dx = jax.grad(objective, argnums=2)(w, outer, x_in)
-                return zeros, dx, grad_w, grad_outer, loss, B
-
-            def weight_grad() -> tuple:
-                dw, douter = jax.grad(objective, argnums=(0, 1))(w, outer, x_in)
-                return zeros, zeros, accumulate(grad_w, dw), _add(grad_outer, replicate(douter)), loss, W
-
-            def both() -> tuple:
-                dw, douter, dx = jax.grad(objective, argnums=(0, 1, 2))(w, outer, x_in)
-                return zeros, dx, accumulate(grad_w, dw), _add(grad_outer, replicate(douter)), loss, BW
-
-            with jax.named_scope(TICK_SCOPE):  # lets the collective inventory weigh the branches by their use
-                send_f, send_b, grad_w, grad_outer, loss, code = jax.lax.switch(
-                    kind, [idle, fwd, input_grad, weight_grad, both]
-                )
-            # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver
-            # keeps what arrives only where the table expects it.
-            got_f = jax.lax.ppermute(send_f, axis, [(i, (i + 1) % p) for i in range(p)])
-            got_b = jax.lax.ppermute(send_b, axis, [(i, (i - 1) % p) for i in range(p)])
-            inputs = lay_out(_store(inputs, recv_f, got_f))
-            grads_in = lay_out(_store(grads_in, recv_b, got_b))
-            return (inputs, grads_in, grad_w, grad_outer, loss), code
-
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        init = (slots, slots, zeros(weights), replicate(zeros(outer)), jnp.zeros((), jnp.float32))
-        (_, _, grad_w, grad_outer, loss), codes = jax.lax.scan(tick, init, rows)
+        init = (slots, slots, zeros(device.weights), replicate(zeros(outer)), jnp.zeros((), jnp.float32))
+        rows = table[:, jax.lax.axis_index(axis)]
+        (_, _, grad_w, grad_outer, loss), codes = jax.lax.scan(functools.partial(self._tick, device), init, rows)
         # The loss lives on the last stage, the embedding's gradient on the first, the head's on the last; each
         # data shard holds its own rows' share of all three.
         loss, grad_outer = jax.lax.psum((loss, grad_outer), axis)
         if data_axes:  # one reduction of everything, as data parallelism makes
             loss, grad_outer, grad_w = jax.lax.psum((loss, grad_outer, grad_w), data_axes)
         return loss, jax.tree.map(lambda g: g[None], grad_w), grad_outer, codes[None]
+
+    def _tick(self, device: _Device, carry: tuple, row: jax.Array) -> tuple:
+        """One tick of one device: its action (a switch over idle, F, B, W, BW), then both ring exchanges."""
+        staged, p, m = self.staged, self.spec.schedule.stages, self.spec.schedule.microbatches
+        inputs, grads_in, grad_w, grad_outer, loss = carry
+        kind, mb, chunk, slot, first, last, branch, recv_f, recv_b = (row[i] for i in range(len(FIELDS)))
+        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, 0, keepdims=False), device.micro)
+        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), device.weights)
+        x_in, g_out, outer = inputs[slot], grads_in[slot], device.outer
+
+        def forward(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
+            x = jnp.where(first, staged.embed(outer, batch), x_in)
+            depths = device.depths
+            return depths[0](w, x) if len(depths) == 1 else jax.lax.switch(branch, depths, w, x)
+
+        def head(outer: Any, y: jax.Array) -> jax.Array:
+            return staged.loss(outer, y, batch) / (m * device.shards)
+
+        def objective(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
+            # The backward of a stage is the gradient of this scalar: the microbatch's share of the loss on the
+            # last stage, else the output paired with the output gradient the next stage sent.
+            y = forward(w, outer, x_in)
+            return jax.lax.cond(last, head, lambda _, y: jnp.vdot(y, g_out).astype(jnp.float32), outer, y)
+
+        def accumulate(dw: Any) -> Any:
+            return jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grad_w, dw)
+
+        zeros = jnp.zeros_like(x_in)
+        no_loss = lambda *_: jnp.zeros((), jnp.float32)  # noqa: E731
+
+        def idle() -> tuple:
+            return zeros, zeros, grad_w, grad_outer, loss, IDLE
+
+        def fwd() -> tuple:
+            y = forward(w, outer, x_in)
+            return y, zeros, grad_w, grad_outer, loss + jax.lax.cond(last, head, no_loss, outer, y), F
+
+        def input_grad() -> tuple:
+            return zeros, jax.grad(objective, argnums=2)(w, outer, x_in), grad_w, grad_outer, loss, B
+
+        def weight_grad() -> tuple:
+            dw, douter = jax.grad(objective, argnums=(0, 1))(w, outer, x_in)
+            return zeros, zeros, accumulate(dw), _add(grad_outer, device.replicate(douter)), loss, W
+
+        def both() -> tuple:
+            dw, douter, dx = jax.grad(objective, argnums=(0, 1, 2))(w, outer, x_in)
+            return zeros, dx, accumulate(dw), _add(grad_outer, device.replicate(douter)), loss, BW
+
+        with jax.named_scope(TICK_SCOPE):  # lets the collective inventory weigh the branches by their use
+            send_f, send_b, grad_w, grad_outer, loss, code = jax.lax.switch(
+                kind, [idle, fwd, input_grad, weight_grad, both]
+            )
+        # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver keeps
+        # what arrives only where the table expects it.
+        got_f = jax.lax.ppermute(send_f, self.spec.axis, [(i, (i + 1) % p) for i in range(p)])
+        got_b = jax.lax.ppermute(send_b, self.spec.axis, [(i, (i - 1) % p) for i in range(p)])
+        inputs = device.lay_out(_store(inputs, recv_f, got_f))
+        grads_in = device.lay_out(_store(grads_in, recv_b, got_b))
+        return (inputs, grads_in, grad_w, grad_outer, loss), code
 
     def _layers(self, w: Any, x: jax.Array, *, count: int) -> jax.Array:
         if count == 0:
@@ -473,3 +506,96 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
     """Writes ``value`` into ``buffer[slot]`` when ``slot >= 0``."""
     i = jnp.maximum(slot, 0)
     return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
+
+
+# ------------------------------------------------------------------------------------------------ the seam
+def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
+    """The executor of a pipeline plan: stored layers ``[stage, chunk, layer, ...]``, the schedule run in one
+    program, and the pipeline's exchanges, kept stage inputs and schedule figures for the cost model and the
+    report. The program runs manual over the batch axes that split no parameter (see :class:`Pipeline`).
+
+    >>> import spmd, strategies, jax
+    >>> from spmd import models
+    >>> model = models.get("gpt-tiny", layers=4)
+    >>> plan = strategies.pipeline("1f1b", stages=2, microbatches=4) + strategies.data_parallel()
+    >>> params = jax.eval_shape(model.init, jax.random.key(0))
+    >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
+    >>> ex = pipeline_executor(plan.execution, spmd.execution.Task(None, plan, mesh, params, staged=model.staged))
+    >>> ex.engine.data_axes, ex.to_stored(params)["params"]["layers"]["mlp"]["wi"]["kernel"].value.shape
+    (('data',), (2, 1, 2, 64, 256))
+    """
+    if task.staged is None:
+        raise PlanError(
+            f"the plan runs a pipeline ({spec.describe()}), which needs the model cut into stages: "
+            f"pass staged=model.staged (the built-in GPTs have one; see spmd.pipeline.StagedModel for your own)"
+        )
+    layers = _layers(task.params, task.staged)
+    stacked = Pipeline(task.staged, spec, task.mesh, layers).stack(task.params)
+    with warnings.catch_warnings():  # the training step resolves the same layout again, and warns there
+        warnings.simplefilter("ignore", PlanWarning)
+        split = task.plan.resolve(stacked, task.mesh).leaves
+    engine = Pipeline(task.staged, spec, task.mesh, layers, data_axes=_manual_axes(task.plan, split, task.mesh))
+    return Executor(
+        engine.value_and_grad,
+        to_stored=engine.stack,
+        to_model=engine.unstack,
+        costs=functools.partial(_costs, engine, task.plan),
+        summary=functools.partial(_summary, engine, task.plan),
+        branch_weights={TICK_SCOPE: engine.branch_weights},
+        engine=engine,
+    )
+
+
+def _manual_axes(plan: Any, rows: Sequence[Any], mesh: Mesh) -> tuple[str, ...]:
+    """Batch axes that split no parameter: a pipeline runs manual over them and reduces once per step."""
+    split = {a for r in rows for a in r.axes}
+    return tuple(a for a in plan.batch_axes if a not in split and mesh.shape[a] > 1)
+
+
+def _layers(params: Any, staged: StagedModel) -> int:
+    """The number of stacked layers: the leading dimension of the arrays under ``staged.layers_key``."""
+    try:
+        sub = functools.reduce(lambda tree, k: tree[k], staged.layers_key, params)
+    except (KeyError, TypeError):
+        raise PlanError(f"pipeline: no stacked layers at {'/'.join(staged.layers_key)} in the parameters") from None
+    leaves, _ = leaves_with_paths(sub)
+    sizes = {leaf.shape[0] if leaf.shape else 0 for leaf in leaves}
+    if len(sizes) != 1 or 0 in sizes:
+        raise PlanError(f"pipeline: the arrays at {'/'.join(staged.layers_key)} must share a leading layer dimension")
+    return sizes.pop()
+
+
+def _message_bytes(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> int:
+    """Bytes of one stage input on one device: batch axes the program does not run manual over (those that split
+    parameters: FSDP) split the activations further, as the model lays them out."""
+    message = engine.activation(stored_abstract(layout.params), batch)
+    auto = math.prod(engine.mesh.shape[a] for a in plan.batch_axes if a not in engine.data_axes)
+    return math.prod(message.shape) * np.dtype(message.dtype).itemsize // auto
+
+
+def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workload: Workload) -> Contribution:
+    """FSDP inside the stages gathers per action; every tick sends a stage input and an input gradient; the
+    parameters outside the stacked layers reduce over the stages once; the slots keep stage inputs and their
+    gradients while one tick's working set is live."""
+    sizes, schedule = dict(engine.mesh.shape), engine.spec.schedule
+    message = _message_bytes(engine, plan, layout, batch)
+    prefix = "/".join(engine.staged.layers_key) + "/"
+    outer = sum(r.bytes_per_device for r in layout.params.leaves if not r.path.startswith(prefix))
+    traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses())
+    traffic += pipeline_traffic(engine.program.ticks, message, outer, engine.spec.axis, sizes)
+    micro = dataclasses.replace(workload, batch=workload.batch // schedule.microbatches)
+    tick = pipeline_tick_bytes(layout.params.leaves, plan, sizes, micro, schedule.virtual)
+    kept = 2 * engine.program.slots * message + int(tick)
+    return Contribution(tuple(traffic), kept, "stage inputs kept, one tick's working set")
+
+
+def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Summary:
+    pl = {**engine.figures(), "slot_bytes": _message_bytes(engine, plan, layout, batch)}
+    text = (
+        f"pipeline: {pl['schedule']} on {pl['stages']} stages × {pl['virtual']} chunk(s), "
+        f"{pl['microbatches']} microbatches, layers per stage {pl['layers_per_stage']}; simulated bubble "
+        f"{pl['bubble_fraction']:.3f}, peak in flight {pl['peak_inflight']}, held until W {pl['peak_held']}; "
+        f"executed in {pl['ticks']} ticks with {pl['slots']} input slots of "
+        f"{format_bytes(pl['slot_bytes'])} per device"
+    )
+    return Summary("pipeline", pl, text)

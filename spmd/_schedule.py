@@ -27,7 +27,6 @@ __all__ = [
     "KINDS",
     "Action",
     "Costs",
-    "PipelineSpec",
     "Schedule",
     "ScheduleError",
     "Timeline",
@@ -473,19 +472,3 @@ def _deadlock(schedule: Schedule, position: list[int], ends: Mapping, grads: Map
                     f"so every action comes after the ones it needs"
                 )
     raise AssertionError("stuck without a missing dependency")  # unreachable: progress would have been made
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSpec:
-    """The pipeline part of a plan: the mesh axis whose devices are the stages, the schedule they run, and
-    how many of the model's stacked layers each global stage holds (None: an even split)."""
-
-    axis: str
-    schedule: Schedule
-    layers_per_stage: tuple[int, ...] | None = None
-
-    def describe(self) -> str:
-        s = self.schedule
-        chunks = f", {s.virtual} chunks per device" if s.virtual > 1 else ""
-        layers = f", layers per stage {list(self.layers_per_stage)}" if self.layers_per_stage else ""
-        return f"pipeline {s.name} over {self.axis} ({s.stages} stages, {s.microbatches} microbatches{chunks}{layers})"

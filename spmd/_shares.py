@@ -9,7 +9,6 @@ whole batch's mean loss, whatever the split.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,43 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["Shares", "UnevenData"]
+from spmd._executor import Executor, Task
+from spmd._specs import Shares
 
-
-@dataclasses.dataclass(frozen=True)
-class Shares:
-    """The uneven-data part of a plan: ``shares[i]`` examples for position ``i`` of mesh axis ``axis``, run
-    as ``shares[i] / microbatch`` loop iterations of ``microbatch`` examples.
-
-    >>> Shares("data", (12, 4), 4).loops
-    (3, 1)
-    """
-
-    axis: str
-    shares: tuple[int, ...]
-    microbatch: int = 1
-
-    def __post_init__(self) -> None:
-        if self.microbatch < 1 or any(s < 0 or s % self.microbatch for s in self.shares) or not sum(self.shares):
-            raise ValueError(
-                f"uneven data parallelism: shares {list(self.shares)} must be non-negative multiples of the "
-                f"microbatch ({self.microbatch}) with a positive sum"
-            )
-
-    @property
-    def loops(self) -> tuple[int, ...]:
-        return tuple(s // self.microbatch for s in self.shares)
-
-    @property
-    def batch(self) -> int:
-        return sum(self.shares)
-
-    def describe(self) -> str:
-        return f"uneven shares {list(self.shares)} over {self.axis} (microbatches of {self.microbatch})"
+__all__ = ["UnevenData", "uneven_executor"]
 
 
 class UnevenData:
-    """Loss and gradients of a batch split over ``spec.axis`` by ``spec.shares``."""
+    """Loss and gradients of a batch split over ``spec.axis`` by ``spec.shares``.
+
+    >>> import spmd, jax, jax.numpy as jnp
+    >>> mesh = spmd.make_mesh({"data": -1})
+    >>> shares = Shares("data", (3,) + (1,) * (mesh.size - 1))
+    >>> engine = UnevenData(lambda p, b: jnp.mean(b["x"] * p), shares, mesh)
+    >>> loss, grad = engine.value_and_grad(jnp.ones(()), {"x": jnp.arange(shares.batch, dtype=jnp.float32)})
+    >>> float(grad) == float(jnp.mean(jnp.arange(shares.batch)))
+    True
+    """
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], spec: Shares, mesh: Mesh) -> None:
         if mesh.shape.get(spec.axis) != len(spec.shares):
@@ -122,3 +101,17 @@ class UnevenData:
             check_vma=False,
         )
         return run(params, self._padded(batch), jnp.asarray(spec.loops, jnp.int32))
+
+
+def uneven_executor(spec: Shares, task: Task) -> Executor:
+    """The executor of uneven data parallelism: every device receives the whole batch and runs its own share.
+
+    >>> import spmd, strategies, jax
+    >>> mesh = spmd.make_mesh({"data": -1})
+    >>> plan = strategies.hetero.uneven_data_parallel((2,) * mesh.size)
+    >>> uneven_executor(plan.execution, spmd.execution.Task(lambda p, b: 0.0, plan, mesh, {})).splits_batch
+    False
+    """
+    engine = UnevenData(task.loss, spec, task.mesh)
+    # Any batch size: the shares, not an even split, place its examples.
+    return Executor(engine.value_and_grad, splits_batch=False, engine=engine)

@@ -24,7 +24,6 @@ parallelism moves.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,46 +33,15 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, PartitionSpec
 
-from spmd._tree import _key, is_box
+from spmd import axes as names
+from spmd._executor import Executor, Summary, Task
+from spmd._format import format_bytes
+from spmd._rules import PlanError
+from spmd._specs import SubnetSpec
+from spmd._tree import is_box, key_name
+from spmd.costmodel import Contribution, Workload, subnet_traffic
 
-__all__ = ["Ownership", "SubnetSpec", "Subnetworks", "ownership"]
-
-GRANULARITIES = ("block", "neuron")
-MASKINGS = ("forward", "backward")
-NEURON_DIMS = ("mlp", "heads", "channels")  # the logical dimensions neuron-level groups cut
-
-
-@dataclasses.dataclass(frozen=True)
-class SubnetSpec:
-    """The subnetwork part of a plan (plain data)."""
-
-    axis: str = "data"
-    coverage: float = 0.5
-    granularity: str = "block"
-    masking: str = "forward"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"sdp: granularity {self.granularity!r}; choose from {', '.join(GRANULARITIES)}")
-        if self.masking not in MASKINGS:
-            raise ValueError(f"sdp: masking {self.masking!r}; choose from {', '.join(MASKINGS)}")
-        if not 0 < self.coverage <= 1:
-            raise ValueError(f"sdp: coverage must be in (0, 1], got {self.coverage}")
-
-    @property
-    def parts(self) -> int:
-        """P: how many disjoint subnetworks the groups are cut into (coverage 1/P)."""
-        parts = round(1 / self.coverage)
-        if not math.isclose(parts * self.coverage, 1.0, rel_tol=1e-9):
-            raise ValueError(
-                f"sdp: coverage {self.coverage:g} is not 1/P for a whole number P (each worker owns one of P equal "
-                f"parts); use 1, 0.5, 0.25, 0.125, ..."
-            )
-        return parts
-
-    def describe(self) -> str:
-        return f"subnetworks over {self.axis} (coverage {self.coverage:g}, {self.granularity}, {self.masking} masking)"
+__all__ = ["Ownership", "Subnetworks", "ownership", "subnet_executor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +61,7 @@ class Ownership:
 
     def mask(self, name: str, layer: int = 0) -> np.ndarray:
         """The worker × group ownership matrix M along ``name`` (in ``layer`` for neuron groups)."""
-        index = self.index[name] if name == "layers" else self.index[name][:, layer]
+        index = self.index[name] if name == names.LAYERS else self.index[name][:, layer]
         m = np.zeros((self.workers, index.size), bool)
         for w in range(self.workers):
             m[w, index[self.part_of[w]]] = True
@@ -129,7 +97,7 @@ def ownership(spec: SubnetSpec, workers: int, sizes: Mapping[str, int], layers: 
         def cut(perm: np.ndarray, k: int = k) -> np.ndarray:
             return np.stack([np.sort(perm[g * k : (g + 1) * k]) for g in range(parts)])
 
-        if name == "layers":
+        if name == names.LAYERS:
             index[name] = cut(rng.permutation(size))  # [parts, k]
         else:
             index[name] = np.stack([cut(rng.permutation(size)) for _ in range(layers)], axis=1)  # [parts, layers, k]
@@ -137,57 +105,50 @@ def ownership(spec: SubnetSpec, workers: int, sizes: Mapping[str, int], layers: 
 
 
 class Subnetworks:
-    """The executor: lays parameters out per part, and computes SDP's gradients.
+    """The engine of subnetwork data parallelism: lays parameters out per part, and computes SDP's gradients.
 
     ``loss_fn`` is the full model's loss; ``narrow(kept)`` gives the loss of the model narrowed to ``kept``
-    groups per logical dimension (``{"layers": k}`` or ``{"mlp": k, "heads": k}``), for forward masking."""
+    groups per logical dimension (``{"layers": k}`` or ``{"mlp": k, "heads": k}``), for forward masking;
+    ``params``: the model's abstract annotated parameters, whose names and group sizes fix the ownership.
+
+    >>> import spmd, jax
+    >>> from spmd import models
+    >>> model = models.get("gpt-tiny", layers=4)
+    >>> params = jax.eval_shape(model.init, jax.random.key(0))
+    >>> engine = Subnetworks(SubnetSpec(coverage=0.5), spmd.make_mesh({"data": -1}), None, None, params)
+    >>> engine.sizes, engine.kept
+    ({'layers': 4}, {'layers': 2})
+    """
 
     def __init__(
         self,
         spec: SubnetSpec,
         mesh: Mesh,
-        loss_fn: Callable[[Any, Any], jax.Array],
-        narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]],
-        layers_key: tuple[str, ...] = ("params", "layers"),
+        loss_fn: Callable[[Any, Any], jax.Array] | None,
+        narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None,
+        params: Any,
+        layers_key: tuple[str, ...] = ("params", names.LAYERS),
     ) -> None:
         if spec.axis not in mesh.shape:
             raise ValueError(f"sdp: the mesh has no axis {spec.axis!r} ({dict(mesh.shape)}); add the data axis")
         self.spec, self.mesh, self.loss_fn, self.narrow, self.layers_key = spec, mesh, loss_fn, narrow, layers_key
-        self.owners: Ownership | None = None
-        self.names: dict[str, tuple[str | None, ...] | None] = {}  # per path, the model's logical names
-        self.sizes: dict[str, int] = {}
+        flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
+        flat = [("/".join(key_name(k) for k in path), x) for path, x in flat]
+        # Per path, the model's logical names.
+        self.names = {path: tuple(x.names) if is_box(x) and hasattr(x, "names") else None for path, x in flat}
+        self.sizes, layers = self._group_sizes(flat)
+        self.owners = ownership(spec, mesh.shape[spec.axis], self.sizes, layers)
 
-    # -- which arrays are grouped ----------------------------------------------------------------------------
-    def _dim(self, path: str) -> str | None:
-        """The logical dimension along which the array at ``path`` is cut into groups; None when shared."""
-        if not path.startswith("/".join(self.layers_key) + "/"):
-            return None
-        if self.spec.granularity == "block":
-            return "layers"
-        names = self.names.get(path)
-        return next((n for n in NEURON_DIMS if names and n in names), None)
-
-    def _map(self, f: Callable[[str, Any], Any], tree: Any) -> Any:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
-        return jax.tree_util.tree_unflatten(treedef, [f("/".join(_key(k) for k in path), x) for path, x in flat])
-
-    def prepare(self, annotated_params: Any) -> None:
-        """Reads names and group sizes off the (abstract, annotated) parameters and fixes the ownership."""
-        flat, _ = jax.tree_util.tree_flatten_with_path(annotated_params, is_leaf=is_box)
-        self.names = {
-            "/".join(_key(k) for k in path): tuple(x.names) if is_box(x) and hasattr(x, "names") else None
-            for path, x in flat
-        }
+    def _group_sizes(self, flat: list[tuple[str, Any]]) -> tuple[dict[str, int], int]:
         sizes: dict[str, int] = {}
         layers = 0
         for path, x in flat:
-            path = "/".join(_key(k) for k in path)
             dim = self._dim(path)
             if dim is None:
                 continue
             shape = np.shape(x.value if is_box(x) else x)
             layers = shape[0]
-            size = shape[0] if dim == "layers" else shape[self.names[path].index(dim)]
+            size = shape[0] if dim == names.LAYERS else shape[self.names[path].index(dim)]
             if sizes.setdefault(dim, size) != size:
                 raise ValueError(f"sdp: {path} has {size} {dim} but another array has {sizes[dim]}")
         if not sizes:
@@ -195,8 +156,21 @@ class Subnetworks:
                 f"sdp: no {self.spec.granularity} groups in the parameters (stacked layers at "
                 f"{'/'.join(self.layers_key)}; neurons need logical names mlp/heads/channels)"
             )
-        self.sizes = sizes
-        self.owners = ownership(self.spec, self.mesh.shape[self.spec.axis], sizes, layers)
+        return sizes, layers
+
+    # -- which arrays are grouped ----------------------------------------------------------------------------
+    def _dim(self, path: str) -> str | None:
+        """The logical dimension along which the array at ``path`` is cut into groups; None when shared."""
+        if not path.startswith("/".join(self.layers_key) + "/"):
+            return None
+        if self.spec.granularity == "block":
+            return names.LAYERS
+        logical = self.names.get(path)
+        return next((n for n in names.NEURONS if logical and n in logical), None)
+
+    def _map(self, f: Callable[[str, Any], Any], tree: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
+        return jax.tree_util.tree_unflatten(treedef, [f("/".join(key_name(k) for k in path), x) for path, x in flat])
 
     @property
     def kept(self) -> dict[str, int]:
@@ -208,7 +182,7 @@ class Subnetworks:
         """``[n, ...]``: for each of ``parts``, the groups it owns of the array ``x`` (full layout)."""
         dim = self._dim(path)
         index = jnp.asarray(self.owners.index[dim])[parts]  # [n, k] for blocks, [n, layers, k] for neurons
-        if dim == "layers":
+        if dim == names.LAYERS:
             return jnp.take(x, index, axis=0)
         axis = self.names[path].index(dim)  # >= 1: the leading dimension is the layer
         shape = [index.shape[0], index.shape[1]] + [1] * (x.ndim - 1)
@@ -228,83 +202,51 @@ class Subnetworks:
             stack = lambda v: self._take(path, v, part_of)  # noqa: E731
             abstract = isinstance(value, jax.ShapeDtypeStruct)
             value = jax.eval_shape(stack, value) if abstract else stack(value)
-            names = ("worker",) + (self.names.get(path) or (None,) * (len(value.shape) - 1))
+            logical = (names.WORKER,) + (self.names.get(path) or (None,) * (len(value.shape) - 1))
             if is_box(x):
-                return x.replace(value=value, names=names)
-            return nn.LogicallyPartitioned(value, names) if abstract else value
+                return x.replace(value=value, names=logical)
+            return nn.LogicallyPartitioned(value, logical) if abstract else value
 
         return self._map(one, params)
 
     def full(self, owned: Any) -> Any:
         """The model's layout from the owned one: each group taken from its part's first owner."""
         first = [self.owners.part_of.index(g) for g in range(self.owners.parts)]
+        return self._map(lambda path, x: self._joined(path, [x[w] for w in first]) if self._dim(path) else x, owned)
 
-        def one(path: str, x: jax.Array) -> jax.Array:
-            dim = self._dim(path)
-            if dim is None:
-                return x
-            index = self.owners.index[dim]  # [parts, k] or [parts, layers, k]
-            if dim == "layers":
-                order = np.argsort(index.reshape(-1))
-                return jnp.take(jnp.concatenate([x[w] for w in first], axis=0), order, axis=0)
-            axis = self.names[path].index(dim)
-            order = np.argsort(np.concatenate(list(index), axis=-1), axis=-1)  # [layers, size]
-            shape = [order.shape[0]] + [1] * (x.ndim - 2)
-            shape[axis] = order.shape[1]
-            joined = jnp.concatenate([x[w] for w in first], axis=axis)
-            return jnp.take_along_axis(joined, order.reshape(shape), axis=axis)
-
-        return self._map(one, owned)
-
-    def summary(self, layout: Any) -> dict[str, Any]:
-        """What each worker owns and what all share, per device, from a training-state layout."""
-        owned = lambda rows: sum(r.bytes_per_device for r in rows if r.names and r.names[0] == "worker")  # noqa: E731
-        params = layout.params.leaves
-        shared = sum(r.bytes_per_device for r in params if not (r.names and r.names[0] == "worker"))
-        o = self.owners
-        return {
-            "coverage": self.spec.coverage,
-            "granularity": self.spec.granularity,
-            "masking": self.spec.masking,
-            "parts": o.parts,
-            "owners_per_group": o.workers // o.parts,
-            "groups": dict(self.sizes),
-            "owner_groups": o.owner_groups,
-            "owned_param_bytes": owned(params),
-            "shared_param_bytes": shared,
-            "owned_grad_bytes": owned(layout.grads.leaves),
-            "shared_grad_bytes": sum(
-                r.bytes_per_device for r in layout.grads.leaves if not (r.names and r.names[0] == "worker")
-            ),
-        }
-
-    def _placed(self, path: str, x: jax.Array, part: int) -> jax.Array:
-        """Part ``part``'s groups ``x`` put in the full layout, zeros elsewhere."""
+    def _joined(self, path: str, pieces: list[jax.Array]) -> jax.Array:
+        """Each part's groups (``pieces[g]``: part ``g``'s) put together in the full layout."""
         dim = self._dim(path)
-        index = self.owners.index[dim]
-        slots = [x if g == part else jnp.zeros_like(x) for g in range(self.owners.parts)]
-        if dim == "layers":
-            return jnp.take(jnp.concatenate(slots, axis=0), np.argsort(index.reshape(-1)), axis=0)
+        index = self.owners.index[dim]  # [parts, k] or [parts, layers, k]
+        if dim == names.LAYERS:
+            return jnp.take(jnp.concatenate(pieces, axis=0), np.argsort(index.reshape(-1)), axis=0)
         axis = self.names[path].index(dim)
         order = np.argsort(np.concatenate(list(index), axis=-1), axis=-1)  # [layers, size]
-        shape = [order.shape[0]] + [1] * (x.ndim - 1)
+        shape = [order.shape[0]] + [1] * (pieces[0].ndim - 1)
         shape[axis] = order.shape[1]
-        return jnp.take_along_axis(jnp.concatenate(slots, axis=axis), order.reshape(shape), axis=axis)
+        return jnp.take_along_axis(jnp.concatenate(pieces, axis=axis), order.reshape(shape), axis=axis)
 
     def rebuild(self, owned: Any) -> Any:
-        """The full parameters on every device from the owned layout, in one all-reduce: each device puts its
-        part in place (zeros elsewhere), and the sum over the workers, over the owners per part, is the whole."""
+        """The full parameters on every device from the owned layout, in one all-reduce: each part's first owner
+        puts its part in place (zeros elsewhere, and everywhere on the other devices), and the sum is the whole,
+        exactly."""
         axis, owners = self.spec.axis, self.owners
         part_of = jnp.asarray(owners.part_of)
+        first = jnp.asarray([owners.part_of.index(owners.part_of[w]) == w for w in range(owners.workers)])
 
         def body(owned: Any) -> Any:
-            part = part_of[jax.lax.axis_index(axis)]
+            worker = jax.lax.axis_index(axis)
 
             def one(path: str, x: jax.Array) -> jax.Array:
                 if not self._dim(path):
                     return x
-                local = sum(jnp.where(part == g, self._placed(path, x[0], g), 0) for g in range(owners.parts))
-                return jax.lax.psum(local, axis) / (owners.workers // owners.parts)
+                zeros = jnp.zeros_like(x[0])
+                placed = [
+                    self._joined(path, [x[0] if g == h else zeros for h in range(owners.parts)])
+                    for g in range(owners.parts)
+                ]
+                local = sum(jnp.where(part_of[worker] == g, p, 0) for g, p in enumerate(placed))
+                return jax.lax.psum(jnp.where(first[worker], local, 0), axis)
 
             return self._map(one, owned)
 
@@ -348,37 +290,98 @@ class Subnetworks:
             return jax.lax.psum(loss, axis) / self.owners.workers, grads
 
         specs = self._specs(params)
-        run = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(specs, PartitionSpec(axis)),
-            out_specs=(PartitionSpec(), specs),
-            axis_names={axis},
-            check_vma=False,
-        )
-        return run(params, batch)
+        return self._run(body, (specs, PartitionSpec(axis)), (PartitionSpec(), specs))(params, batch)
 
-    def full_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
-        """Backward masking: every worker's loss and gradients on the full model; of the owned groups only
-        each worker's own part, reduced by the SDP rule. Returns the loss, the gradients and the parameters
-        (each device cuts out its own part) in the owned layout."""
+    def backward_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """Backward masking: every worker's loss and gradients on the full model; of the owned groups only each
+        worker's own part, reduced by the SDP rule, in the owned layout."""
         axis = self.spec.axis
         part_of = jnp.asarray(self.owners.part_of)
 
         def body(params: Any, batch: Any) -> tuple:
             loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
             part = part_of[jax.lax.axis_index(axis)][None]
-            own = lambda tree: self._map(lambda path, x: self._take(path, x, part)[0] if self._dim(path) else x, tree)  # noqa: E731
-            lead = lambda tree: self._map(lambda path, x: x[None] if self._dim(path) else x, tree)  # noqa: E731
-            return jax.lax.psum(loss, axis) / self.owners.workers, lead(self._reduce(own(grads))), lead(own(params))
+            own = self._map(lambda path, g: self._take(path, g, part)[0] if self._dim(path) else g, grads)
+            grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(own))
+            return jax.lax.psum(loss, axis) / self.owners.workers, grads
 
-        specs = self._specs(params)
-        run = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(jax.tree.map(lambda _: PartitionSpec(), params), PartitionSpec(axis)),
-            out_specs=(PartitionSpec(), specs, specs),
-            axis_names={axis},
-            check_vma=False,
-        )
+        replicated = jax.tree.map(lambda _: PartitionSpec(), params)
+        run = self._run(body, (replicated, PartitionSpec(axis)), (PartitionSpec(), self._specs(params)))
         return run(params, batch)
+
+    def _run(self, body: Callable, in_specs: tuple, out_specs: tuple) -> Callable:
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={self.spec.axis}, check_vma=False
+        )
+
+    # -- the report ---------------------------------------------------------------------------------------
+    def figures(self, layout: Any) -> dict[str, Any]:
+        """What each worker owns and what all share, per device, from a training-state layout."""
+        owned = lambda rows: sum(r.bytes_per_device for r in rows if _owned(r))  # noqa: E731
+        shared = lambda rows: sum(r.bytes_per_device for r in rows if not _owned(r))  # noqa: E731
+        o = self.owners
+        return {
+            "coverage": self.spec.coverage,
+            "granularity": self.spec.granularity,
+            "masking": self.spec.masking,
+            "parts": o.parts,
+            "owners_per_group": o.workers // o.parts,
+            "groups": dict(self.sizes),
+            "owner_groups": o.owner_groups,
+            "owned_param_bytes": owned(layout.params.leaves),
+            "shared_param_bytes": shared(layout.params.leaves),
+            "owned_grad_bytes": owned(layout.grads.leaves),
+            "shared_grad_bytes": shared(layout.grads.leaves),
+        }
+
+    def summary(self, layout: Any, batch: Any) -> Summary:
+        """Who owns what, for the report."""
+        s = self.figures(layout)
+        kept = (
+            f"{format_bytes(s['owned_param_bytes'])} of owned parameters and "
+            f"{format_bytes(s['shared_param_bytes'])} shared by all"
+            if s["masking"] == "forward"
+            else f"the full parameters, {format_bytes(s['owned_grad_bytes'])} of owned gradients"
+        )
+        text = (
+            f"subnetworks: {s['parts']} parts ({s['granularity']}: {s['groups']}), each owned by "
+            f"{s['owners_per_group']} workers {s['owner_groups']}; per device {kept}"
+        )
+        return Summary("subnet", s, text)
+
+    def costs(self, layout: Any, batch: Any, workload: Workload) -> Contribution:
+        """The reductions follow the ownership, not the layouts: the subnetworks' own traffic replaces data
+        parallelism's."""
+        return Contribution(tuple(subnet_traffic(self.figures(layout), self.spec.axis, masking=self.spec.masking)))
+
+
+def _owned(row: Any) -> bool:
+    return bool(row.names) and row.names[0] == names.WORKER
+
+
+def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
+    """The executor of subnetwork data parallelism. Forward masking stores each worker's part (``[worker,
+    ...]``) and runs the narrowed model; backward masking stores the full parameters, runs the full model, and
+    the optimizer updates each worker's part (``trained``), put back into the full parameters after the update.
+
+    >>> import spmd, strategies, jax
+    >>> from spmd import models
+    >>> model = models.get("gpt-tiny", layers=4)
+    >>> plan = strategies.subnetwork_dp(masking="backward")
+    >>> params = jax.eval_shape(model.init, jax.random.key(0))
+    >>> task = spmd.execution.Task(models.loss_fn(model), plan, spmd.make_mesh({"data": -1}), params)
+    >>> ex = subnet_executor(plan.execution, task)
+    >>> ex.to_stored is spmd.execution.identity, ex.trained is spmd.execution.identity
+    (True, False)
+    """
+    if spec.masking == "forward" and task.narrow is None:
+        raise PlanError(
+            "subnetwork data parallelism with forward masking runs each worker's narrowed model: pass "
+            "narrow=lambda kept: loss of the model narrowed to kept (spmd.models.narrowed does it for the "
+            "built-in GPTs), or use masking='backward'"
+        )
+    engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params)
+    report = {"costs": engine.costs, "summary": engine.summary, "engine": engine}
+    if spec.masking == "forward":
+        return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **report)
+    return Executor(engine.backward_value_and_grad, trained=engine.own, from_trained=engine.rebuild, **report)

@@ -32,7 +32,12 @@ def is_box(x: Any) -> bool:
     return isinstance(x, (nn.meta.AxisMetadata, nnx.Variable))
 
 
-def _key(k: Any) -> str:
+def key_name(k: Any) -> str:
+    """A pytree path entry as text: a dict key, an attribute name or a sequence index.
+
+    >>> [key_name(k) for k in jax.tree_util.tree_flatten_with_path({"a": [0]})[0][0][0]]
+    ['a', '0']
+    """
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
             return str(getattr(k, attr))
@@ -66,11 +71,11 @@ def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
         dtype = np.dtype(getattr(value, "dtype", None) or np.result_type(value))
         names = _names(x) if is_box(x) else None
         if names is not None and len(names) != len(shape):
-            keys = "/".join(_key(k) for k in path)
+            keys = "/".join(key_name(k) for k in path)
             raise ValueError(f"{keys}: annotation names {names} do not match its shape {shape}")
         leaves.append(
             Leaf(
-                keys=tuple(_key(k) for k in path),
+                keys=tuple(key_name(k) for k in path),
                 shape=shape,
                 dtype=dtype.name,
                 nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,

@@ -23,15 +23,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from spmd import axes as A
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
-from spmd._plan import LeafLayout, LogicalRules, Plan, ShardLargest, assign_by_rules
+from spmd._layout import LeafLayout, StateLayout, resolve_state
+from spmd._rules import ShardLargest, assign_by_rules
+
+if TYPE_CHECKING:
+    from spmd._plan import Plan
 
 __all__ = [
     "HARDWARE",
     "TOLERANCE",
     "Hardware",
+    "Contribution",
     "Estimate",
     "Matmul",
     "StepTime",
@@ -43,6 +49,7 @@ __all__ = [
     "data_parallel_traffic",
     "detect",
     "estimate",
+    "estimate_layout",
     "flops_per_device",
     "hardware",
     "matmuls",
@@ -138,7 +145,7 @@ class _Totals:
         return sorted(out, key=lambda t: -t.traffic_bytes)
 
 
-def model_state_bytes(layout: Any) -> dict[str, int]:
+def model_state_bytes(layout: StateLayout) -> dict[str, int]:
     """Per-device bytes of parameters, gradients and optimizer state, from a :class:`spmd.StateLayout`."""
     params = sum(r.bytes_per_device for r in layout.params.leaves)
     grads = sum(r.bytes_per_device for r in layout.grads.leaves)
@@ -161,7 +168,7 @@ def _dim_axes(row: LeafLayout, dims: Iterable[int]) -> set[str]:
 
 # Leading dimensions that stack layers: ``layers`` (a scan), and a pipeline's ``[stage, chunk, layers]``, whose
 # ``stage`` dimension is split over the pipeline axis (one entry per device).
-STACKING = ("stage", "chunk", "layers")
+STACKING = A.STACKING
 
 
 def _stacked(row: LeafLayout) -> int:
@@ -170,7 +177,7 @@ def _stacked(row: LeafLayout) -> int:
     for name, size in zip(row.names or (), row.shape, strict=False):
         if name not in STACKING:
             break
-        depth *= 1 if name == "stage" else size
+        depth *= 1 if name == A.STAGE else size
     return depth
 
 
@@ -190,14 +197,14 @@ def data_parallel_traffic(
     - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer.
 
     ``stage_uses``: in a pipeline, how many times per step a device gathers its stages' FSDP-split layers and
-    reduces their gradients, in whole stacks (see ``spmd.Pipeline.weight_uses``): every schedule action uses
+    reduces their gradients, in whole stacks (see ``spmd.pipeline.Pipeline.weight_uses``): every schedule action uses
     the weights afresh, rather than once forward and once backward.
 
     >>> import spmd, strategies, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
-    >>> step = spmd.train_step(lambda p, b: 0.0, optax.sgd(0.1), strategies.data_parallel(), mesh)
-    >>> layout = step.prepare({"w": jax.ShapeDtypeStruct((256,), jnp.float32)})
-    >>> [t.kind for t in data_parallel_traffic(layout, step.plan, mesh.shape)] == ["all-reduce"] * (mesh.size > 1)
+    >>> plan = strategies.data_parallel()
+    >>> layout = spmd.resolve_state(plan, {"w": jax.ShapeDtypeStruct((256,), jnp.float32)}, optax.sgd(0.1), mesh)
+    >>> [t.kind for t in data_parallel_traffic(layout, plan, mesh.shape)] == ["all-reduce"] * (mesh.size > 1)
     True
     """
     sizes = dict(mesh_shape)
@@ -221,7 +228,7 @@ def data_parallel_traffic(
         zero1 = ((_axes(m) - p_axes) & batch) - zero2
         rest = batch - p_axes - zero2
         layers = _stacked(p)
-        staged = stage_uses is not None and bool(p.names) and p.names[0] == "stage"
+        staged = stage_uses is not None and bool(p.names) and p.names[0] == A.STAGE
         if fsdp:
             # Rematerialised layers use their weights again in the backward pass, so FSDP gathers them twice; an
             # embedding table is gathered once, since the gradient of a lookup does not need the table.
@@ -333,7 +340,7 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
         while dims and names[dims[0]] in STACKING:
             dims = dims[1:]
         experts = 0
-        if dims and names[dims[0]] == "expert":
+        if dims and names[dims[0]] == A.EXPERT:
             experts, dims = row.shape[dims[0]], dims[1:]
         if len(dims) < 2:
             continue
@@ -342,9 +349,9 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
             if len(dims) != 2:
                 continue
             in_dims, out_dims = (dims[0],), (dims[1],)
-        elif names[dims[0]] == "embed":
+        elif names[dims[0]] == A.EMBED:
             in_dims, out_dims = (dims[0],), tuple(dims[1:])
-        elif names[dims[-1]] == "embed":
+        elif names[dims[-1]] == A.EMBED:
             in_dims, out_dims = tuple(dims[:-1]), (dims[-1],)
         else:
             continue
@@ -354,8 +361,7 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
 
 def _seq_axes(plan: Plan, mesh_shape: Mapping[str, int]) -> set[str]:
     """Mesh axes a sequence-parallel plan splits the residual stream's sequence over."""
-    rules = [r for part in plan.parts if isinstance(part, LogicalRules) for r in part.rules]
-    entries = assign_by_rules(("batch", "seq", "embed"), [("batch", plan.batch_axes)] + rules)
+    entries = assign_by_rules((A.BATCH, A.SEQ, A.EMBED), plan.logical_rules())
     return {a for a in entries[1] if mesh_shape.get(a, 1) > 1}
 
 
@@ -411,8 +417,8 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
         if output and not m.lookup:
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
             all_reduce(output, m.layers * buffer, m.layers)
-        expert_axes = _dim_axes(m.row, (m.row.names.index("expert"),)) if m.experts else set()
-        if expert_axes and m.row.names[m.in_dims[0]] == "embed":  # once per MoE layer: at its first weight
+        expert_axes = _dim_axes(m.row, (m.row.names.index(A.EXPERT),)) if m.experts else set()
+        if expert_axes and m.row.names[m.in_dims[0]] == A.EMBED:  # once per MoE layer: at its first weight
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
             passes = 2 * forward_passes + 2  # dispatch and return, forward (twice with remat) and backward
             totals.add("all-to-all", expert_axes, passes * m.layers * buffer, passes * m.layers)
@@ -456,7 +462,7 @@ def _attention_parents(ms: list[Matmul]) -> dict[str, Matmul]:
     found: dict[str, Matmul] = {}
     for m in ms:
         out_names = tuple(m.row.names[d] for d in m.out_dims) if m.row.names else ()
-        if out_names == ("heads", "head_dim"):
+        if out_names == (A.HEADS, A.HEAD_DIM):
             found.setdefault(m.parent, m)
     return found
 
@@ -507,7 +513,7 @@ def pipeline_tick_bytes(
     gathered = sum(
         row.bytes_per_device * math.prod(mesh_shape[a] for a in _axes(row) & batch)
         for row in params
-        if row.names and row.names[0] == "stage" and _axes(row) & batch
+        if row.names and row.names[0] == A.STAGE and _axes(row) & batch
     )
     return (acts + 2 * gathered) / virtual
 
@@ -537,13 +543,13 @@ def activation_bytes(
         rows = _rows_of(m, plan, sizes, workload)
         names = tuple(m.row.names[d] for d in m.in_dims) if m.row.names else m.in_dims
         elements = rows * m.local(m.out_dims, model_axes, sizes)
-        if m.row.names and "vocab" in (m.row.names[d] for d in m.out_dims):
+        if m.row.names and A.VOCAB in (m.row.names[d] for d in m.out_dims):
             elements *= 3  # the logits, their softmax and its gradient are live together in the loss
         if (m.parent, names) not in inputs_seen:
             inputs_seen.add((m.parent, names))
             elements += rows * m.local(m.in_dims, model_axes, sizes)
         per_layer[m.layers] = per_layer.get(m.layers, 0.0) + elements
-        if m.row.names and m.row.names[m.in_dims[0]] == "embed" and m.layers > 1:
+        if m.row.names and m.row.names[m.in_dims[0]] == A.EMBED and m.layers > 1:
             residual[m.layers] = tokens * m.local(m.in_dims, model_axes, sizes) / seq_ways
     for m in _attention_parents(ms).values():
         heads_ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.out_dims[:1]) & model_axes)
@@ -591,8 +597,34 @@ def step_time(flops: float, traffic: Iterable[Traffic], hw: Hardware, mesh_shape
 
 
 @dataclasses.dataclass(frozen=True)
+class Contribution:
+    """What an execution mode changes in the estimate (see ``spmd.execution.Executor.costs``).
+
+    ``traffic``: the collectives that move parameters and gradients, replacing data parallelism's reductions and
+    gathers (:func:`data_parallel_traffic`); the activations' traffic is added to it either way. ``activation_bytes``:
+    what a device keeps for the backward pass, replacing :func:`activation_bytes`, with ``activation_note`` naming
+    it in the report.
+
+    >>> Contribution().traffic is None
+    True
+    """
+
+    traffic: tuple[Traffic, ...] | None = None
+    activation_bytes: float | None = None
+    activation_note: str = "activations kept for backward"
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
-    """What the cost model expects of one plan, per device and per step, without compiling anything."""
+    """What the cost model expects of one plan, per device and per step, without compiling anything.
+
+    >>> import optax, jax, spmd
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}
+    >>> e = estimate(spmd.Plan(batch_axes=("data",)), params, {"data": 8}, Workload(batch=8, seq_len=16),
+    ...              optimizer=optax.adam(1e-3), hardware=HARDWARE["h100"])
+    >>> e.memory_bytes == e.per_device_bytes["total"] + 4 * 1024 * 1024 + e.activation_bytes
+    True
+    """
 
     per_device_bytes: dict[str, int]  # model state: params, grads, optimizer, total
     activation_bytes: int
@@ -600,6 +632,7 @@ class Estimate:
     traffic: tuple[Traffic, ...]
     flops: float
     time: StepTime
+    activation_note: str = "activations kept for backward"
 
     @property
     def memory_bytes(self) -> int:
@@ -610,6 +643,24 @@ class Estimate:
     @property
     def comm_bytes(self) -> int:
         return int(sum(t.traffic_bytes for t in self.traffic))
+
+    def step_memory(self, batch_bytes: int) -> dict[str, int]:
+        """The step's memory per device, as the compiler reports it: its arguments (the training state — the
+        parameters, the optimizer state, the int32 step — and ``batch_bytes`` of batch) exactly, and an estimate
+        of its temporaries (the gradients, the optimizer's parameter-sized update and the kept activations).
+
+        >>> e = Estimate({"params": 8, "grads": 8, "optimizer": 16, "total": 32}, 100, 0, (), 0.0, None)
+        >>> e.step_memory(10)
+        {'argument_bytes': 38, 'activation_bytes': 100, 'padding_bytes': 0, 'temp_bytes': 116, 'peak_bytes': 154}
+        """
+        state = self.per_device_bytes
+        out = {
+            "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
+            "activation_bytes": self.activation_bytes,
+            "padding_bytes": self.padding_bytes,
+            "temp_bytes": state["grads"] + state["params"] + self.activation_bytes,
+        }
+        return out | {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -624,7 +675,7 @@ class Estimate:
         }
 
 
-def padding_bytes(layout: Any) -> int:
+def padding_bytes(layout: StateLayout) -> int:
     """Bytes per device that block-aligned sharding adds: each padded parameter's padding, once for the
     parameter, once for its gradient and once per optimizer moment mirroring it."""
     total = 0
@@ -637,6 +688,43 @@ def padding_bytes(layout: Any) -> int:
     return total
 
 
+def estimate_layout(
+    layout: StateLayout,
+    plan: Plan,
+    mesh_shape: Mapping[str, int],
+    workload: Workload,
+    hardware: Hardware,
+    contribution: Contribution = Contribution(),  # noqa: B008 - frozen, shared safely
+) -> Estimate:
+    """The cost model's view of a training state's ``layout``: model state, activations, traffic, FLOPs and a
+    step time on ``hardware``, with what the execution mode contributes (see :class:`Contribution`).
+
+    >>> import optax, jax, spmd
+    >>> plan = spmd.Plan(batch_axes=("data",))
+    >>> layout = resolve_state(plan, {"w": jax.ShapeDtypeStruct((256, 256), "float32")}, optax.sgd(0.1), {"data": 8})
+    >>> e = estimate_layout(layout, plan, {"data": 8}, Workload(batch=8, seq_len=16), HARDWARE["h100"])
+    >>> [t.kind for t in e.traffic], e.per_device_bytes["params"]
+    (['all-reduce'], 262144)
+    """
+    moved = contribution.traffic
+    if moved is None:
+        moved = data_parallel_traffic(layout, plan, mesh_shape)
+    moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
+    kept = contribution.activation_bytes
+    if kept is None:
+        kept = activation_bytes(layout.params.leaves, plan, mesh_shape, workload)
+    flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
+    return Estimate(
+        per_device_bytes=model_state_bytes(layout),
+        activation_bytes=int(kept),
+        padding_bytes=padding_bytes(layout),
+        traffic=moved,
+        flops=flops,
+        time=step_time(flops, moved, hardware, mesh_shape),
+        activation_note=contribution.activation_note,
+    )
+
+
 def estimate(
     plan: Plan,
     params: Any,
@@ -646,30 +734,11 @@ def estimate(
     optimizer: Any,
     hardware: Hardware,
 ) -> Estimate:
-    """The cost model's view of ``plan`` for abstract (annotated) ``params`` on mesh sizes alone: model state,
-    activations, traffic, FLOPs and a step time on ``hardware``.
-
-    >>> import optax, jax, spmd
-    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}
-    >>> e = estimate(spmd.Plan(batch_axes=("data",)), params, {"data": 8}, Workload(batch=8, seq_len=16),
-    ...              optimizer=optax.adam(1e-3), hardware=HARDWARE["h100"])
-    >>> e.per_device_bytes["total"] == 16 * 1024 * 1024 + 4, [t.kind for t in e.traffic]
-    (True, ['all-reduce'])
+    """The cost model's view of ``plan`` (plain SPMD execution) for abstract (annotated) ``params`` on mesh sizes
+    alone: model state, activations, traffic, FLOPs and a step time on ``hardware`` (see :class:`Estimate`).
     """
-    from spmd._train import resolve_state  # the training step's own resolution, so the two never disagree
-
     plan.check_mesh(mesh_shape)
-    layout = resolve_state(plan, params, optimizer, mesh_shape)
-    moved = tuple(traffic(layout, plan, mesh_shape, workload))
-    flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
-    return Estimate(
-        per_device_bytes=model_state_bytes(layout),
-        activation_bytes=int(activation_bytes(layout.params.leaves, plan, mesh_shape, workload)),
-        padding_bytes=padding_bytes(layout),
-        traffic=moved,
-        flops=flops,
-        time=step_time(flops, moved, hardware, mesh_shape),
-    )
+    return estimate_layout(resolve_state(plan, params, optimizer, mesh_shape), plan, mesh_shape, workload, hardware)
 
 
 def compare(compiled: float, analytic: float) -> str | None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from spmd import Plan, costmodel
+from spmd.devices import Profile
+from strategies import hetero
 from strategies.data_parallel import data_parallel
 from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
@@ -31,6 +33,7 @@ __all__ = [
     "expert_parallel",
     "from_names",
     "fsdp",
+    "hetero",
     "hsdp",
     "osdp",
     "PipelineOptions",
@@ -62,14 +65,22 @@ REGISTRY: dict[str, Callable[[], Plan]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What the strategies the cost model chooses need to know: the model's abstract (annotated) parameters,
-    the step's workload, the hardware, the optimizer, and for ``osdp`` the memory budget per device (bytes)."""
+    """What the strategies chosen for a model and its devices need to know: the model's abstract (annotated)
+    parameters, the step's workload, the hardware, the optimizer, for ``osdp`` the memory budget per device
+    (bytes), and for heterogeneous devices their ``profile`` (the plan is then made uneven by
+    :func:`strategies.hetero.apply_profile`, in multiples of ``microbatch`` examples).
+
+    >>> Context(None, costmodel.Workload(8, 32), costmodel.HARDWARE["cpu"], None).profile is None
+    True
+    """
 
     params: Any
     workload: costmodel.Workload
     hardware: costmodel.Hardware
     optimizer: Any
     memory_per_device: int | None = None
+    profile: Profile | None = None
+    microbatch: int = 1
 
 
 def _osdp(base: Plan, mesh_axes: Mapping[str, int], ctx: Context) -> Plan:
@@ -125,13 +136,15 @@ def from_names(
     context: Context | None = None,
     pipeline_options: PipelineOptions | None = None,
     subnet_options: SubnetOptions | None = None,
+    block: int | None = None,
 ) -> Plan:
     """Composes registry strategies named like ``"dp+fsdp+tp"`` into one plan; names in :data:`CHOSEN` are
-    applied last and need ``mesh_axes`` and a ``context``; ``pp`` needs ``mesh_axes`` (its ``stage`` axis).
+    applied last and need ``mesh_axes`` and a ``context``; ``pp`` needs ``mesh_axes`` (its ``stage`` axis). A
+    context with a device profile then makes the plan uneven, and ``block`` aligns its FSDP splits to blocks.
 
     >>> from_names("dp+tp").batch_axes
     ('data',)
-    >>> from_names("pp+dp", {"stage": 4, "data": 2}, pipeline_options=PipelineOptions("zb-h1", 8)).pipeline.describe()
+    >>> from_names("pp+dp", {"stage": 4, "data": 2}, pipeline_options=PipelineOptions("zb-h1", 8)).execution.describe()
     'pipeline zb-h1 over stage (4 stages, 8 microbatches)'
     """
     names = [n.strip() for n in spec.split("+")]
@@ -160,6 +173,18 @@ def from_names(
         )
     for name in chosen:
         plan = CHOSEN[name](plan, dict(mesh_axes), context)
+    if context is not None and context.profile is not None:
+        plan = hetero.apply_profile(
+            plan,
+            dict(mesh_axes),
+            context.profile,
+            params=context.params,
+            workload=context.workload,
+            optimizer=context.optimizer,
+            microbatch=context.microbatch,
+        )
+    if block:
+        plan = plan.with_block(block)
     if mesh_axes is not None:
         plan.check_mesh(mesh_axes)
     return plan

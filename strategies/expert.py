@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from spmd import Plan
-from spmd._plan import LogicalRules
+from spmd import axes as A
+from spmd.rules import LogicalRules
 
 
 def expert_parallel(*, axis: str = "expert") -> Plan:
@@ -23,5 +24,5 @@ def expert_parallel(*, axis: str = "expert") -> Plan:
     >>> expert_parallel().batch_spec()
     P('expert', None)
     """
-    rules = LogicalRules((("expert", (axis,)),), "expert_parallel")
+    rules = LogicalRules(((A.EXPERT, (axis,)),), "expert_parallel")
     return Plan(parts=(rules,), batch_axes=(axis,))

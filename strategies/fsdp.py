@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from spmd import Plan
-from spmd._plan import ShardLargest
+from spmd import axes as A
+from spmd.rules import ShardLargest
 
 
 def fsdp(
     *,
     axis: str = "fsdp",
     min_bytes: int = 4096,
-    avoid: tuple[str, ...] = ("layers",),
+    avoid: tuple[str, ...] = (A.LAYERS,),
     remat: bool = True,
     block: int = 1,
     paths: tuple[str, ...] = (),

@@ -9,13 +9,16 @@ Pure functions of a :class:`spmd.Profile` and the mesh sizes:
 - :func:`stage_layers`: layers per pipeline stage proportional to the stage's speed;
 - :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism)
   inside one device kind;
-- :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.UnevenData``);
+- :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.execution.UnevenData``);
+- :func:`apply_profile`: a plan made uneven for a profile: layers per stage for a pipeline, batch shares for
+  data parallelism;
 - :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
   :func:`summary` puts them together for a plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -23,13 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from spmd import Plan
-from spmd._profile import Profile
-from spmd._schedule import Schedule, simulate
-from spmd._shares import Shares
+from spmd import Plan, costmodel, resolve_state
+from spmd import axes as A
 from spmd.costmodel import StepTime
+from spmd.devices import Profile
+from spmd.execution import PipelineSpec, Shares
+from spmd.pipeline import Schedule, simulate
+from spmd.rules import leaves_with_paths
 
 __all__ = [
+    "apply_profile",
     "batch_shares",
     "kind_order",
     "modelled_step_times",
@@ -172,13 +178,13 @@ def uneven_data_parallel(shares: Sequence[int], *, axis: str = "data", microbatc
     """Data parallelism over ``axis`` with ``shares[i]`` examples on position ``i``: each device loops over
     its own number of ``microbatch``-example steps (default: the largest that divides every share).
 
-    >>> uneven_data_parallel((12, 12, 4, 4)).uneven.loops
+    >>> uneven_data_parallel((12, 12, 4, 4)).execution.loops
     (3, 3, 1, 1)
     """
     shares = tuple(int(s) for s in shares)
     if microbatch is None:
         microbatch = math.gcd(*shares) or 1
-    return Plan(batch_axes=(axis,), uneven=Shares(axis=axis, shares=shares, microbatch=microbatch))
+    return Plan(batch_axes=(axis,), execution=Shares(axis=axis, shares=shares, microbatch=microbatch))
 
 
 def modelled_step_times(
@@ -239,8 +245,8 @@ def summary(
     """
     rate = flops_per_device / max(modelled.compute_s, 1e-30)  # FLOP/s the cost model gives the fastest device
     out: dict[str, Any] = {}
-    if plan.pipeline is not None:
-        spec = plan.pipeline
+    spec = plan.execution
+    if isinstance(spec, PipelineSpec):
         speeds = rank_speeds(profile, mesh_axes, spec.axis)
         layers = tuple(layers_per_stage or spec.layers_per_stage or ())
         s, total = spec.schedule, sum(layers)
@@ -251,14 +257,82 @@ def summary(
         out["layers_per_stage"] = list(layers)
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
-        shares = list(plan.uneven.shares) if plan.uneven else [batch / len(speeds)] * len(speeds)
+        uneven = spec if isinstance(spec, Shares) else None
+        shares = list(uneven.shares) if uneven else [batch / len(speeds)] * len(speeds)
         # The cost model's average device does batch / ranks examples.
         per_example_s = flops_per_device * len(speeds) / batch / rate
         times = modelled_step_times(per_example_s, [x / max(speeds) for x in speeds], shares, modelled.comm_s)
-        out["batch_shares"] = list(plan.uneven.shares) if plan.uneven else None
+        out["batch_shares"] = list(uneven.shares) if uneven else None
     return out | {
         "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
         "simulated_speedup": times["speedup"],
         "ideal_speedup": times["ideal"],
         "device_speeds": list(profile.speeds),
     }
+
+
+def apply_profile(
+    plan: Plan,
+    mesh_axes: Mapping[str, int],
+    profile: Profile,
+    *,
+    params: Any,
+    workload: costmodel.Workload,
+    optimizer: Any,
+    microbatch: int = 1,
+) -> Plan:
+    """``plan`` made uneven for the devices of ``profile``: a pipeline's stages get layers by their speed (unless
+    the plan gives layers per stage, or loops over chunks); data parallelism gets batch shares by speed, capped by
+    what each device's memory holds (the model state of ``plan``, and the activations of one example of
+    ``workload``'s sequence length for ``params``), in multiples of ``microbatch``.
+
+    >>> import jax, optax
+    >>> from spmd import costmodel, models
+    >>> import strategies
+    >>> params = jax.eval_shape(models.get("gpt-tiny").init, jax.random.key(0))
+    >>> plan = apply_profile(strategies.data_parallel(), {"data": 4}, Profile.from_speeds([3, 1, 1, 1]),
+    ...                      params=params, workload=costmodel.Workload(24, 32), optimizer=optax.adam(1e-3))
+    >>> plan.execution.shares
+    (12, 4, 4, 4)
+    """
+    if isinstance(plan.execution, PipelineSpec):
+        spec = plan.execution
+        if spec.layers_per_stage or spec.schedule.virtual > 1:
+            return plan  # layers given by hand, or chunks that loop over every stage
+        counts = stage_layers(_stacked_layers(params), profile, mesh_axes, axis=spec.axis)
+        return dataclasses.replace(plan, execution=dataclasses.replace(spec, layers_per_stage=counts))
+    if "data" not in plan.batch_axes or mesh_axes.get("data", 1) == 1:
+        raise ValueError(
+            "a device profile gives data-parallel ranks uneven batch shares, or pipeline stages uneven layers: "
+            "the plan needs a data axis (dp) or a pipeline (pp); or pass --even"
+        )
+    others = [a for a in plan.batch_axes if a != "data" and mesh_axes.get(a, 1) > 1]
+    if others:
+        raise ValueError(
+            f"uneven batch shares split only the data axis, but this plan also splits the batch over {others}; "
+            f"use dp with tp (or pass --even)"
+        )
+    state_bytes = example_bytes = 0
+    if any(m is not None for m in profile.memory):
+        layout = resolve_state(plan, params, optimizer, mesh_axes)
+        state_bytes = costmodel.model_state_bytes(layout)["total"]
+        one_each = costmodel.Workload(batch=mesh_axes["data"], seq_len=workload.seq_len)
+        example_bytes = int(costmodel.activation_bytes(layout.params.leaves, plan, mesh_axes, one_each))
+    shares = batch_shares(
+        workload.batch,
+        profile,
+        mesh_axes,
+        axis="data",
+        state_bytes=state_bytes,
+        example_bytes=example_bytes,
+        granularity=microbatch,
+    )
+    return plan + uneven_data_parallel(shares)
+
+
+def _stacked_layers(params: Any) -> int:
+    """The number of stacked layers: the leading dimension of the arrays annotated ``layers`` first."""
+    for leaf in leaves_with_paths(params)[0]:
+        if leaf.names and leaf.names[0] == A.LAYERS:
+            return leaf.shape[0]
+    raise ValueError("a pipeline's layers per stage follow a profile only for models with stacked layers")

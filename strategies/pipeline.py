@@ -1,4 +1,4 @@
-"""Pipeline schedules (generators of :class:`spmd.Schedule` tables) and the pipeline plan.
+"""Pipeline schedules (generators of :class:`spmd.pipeline.Schedule` tables) and the pipeline plan.
 
 Schedules (``p`` stage devices, ``m`` microbatches, ``v`` chunks per device):
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from spmd import Plan
-from spmd._schedule import Action, PipelineSpec, Schedule, ScheduleError, validate
+from spmd.pipeline import Action, PipelineSpec, Schedule, ScheduleError, validate
 
 __all__ = ["SCHEDULES", "pipeline", "pipeline_schedule"]
 
@@ -140,7 +140,7 @@ def pipeline(
     into ``stages · virtual`` consecutive stages (``layers_per_stage`` of them each, default an even split)
     and run by the schedule inside one SPMD program.
 
-    >>> pipeline("zb-h1", stages=4, microbatches=8).pipeline.schedule.name
+    >>> pipeline("zb-h1", stages=4, microbatches=8).execution.schedule.name
     'zb-h1'
     """
     table = (
@@ -151,6 +151,5 @@ def pipeline(
     if table.stages != stages:
         raise ScheduleError(f"schedule {table.name} has {table.stages} devices, but the pipeline has {stages} stages")
     counts = None if layers_per_stage is None else tuple(layers_per_stage)
-    spec = PipelineSpec(axis=axis, schedule=table, layers_per_stage=counts)
-    # The stacked layers are stored [stage, chunk, layer, ...]: their leading dimension goes to the axis.
-    return Plan.from_logical_rules([("stage", axis)], source="pipeline") + Plan(pipeline=spec)
+    # The stacked layers are stored [stage, chunk, layer, ...]; the spec maps their leading dimension to the axis.
+    return Plan(execution=PipelineSpec(axis=axis, schedule=table, layers_per_stage=counts))

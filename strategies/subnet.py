@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from spmd import Plan
-from spmd._plan import LogicalRules
-from spmd._subnet import SubnetSpec
+from spmd.execution import SubnetSpec
 
 __all__ = ["subnetwork_dp"]
 
@@ -19,15 +18,13 @@ def subnetwork_dp(
 ) -> Plan:
     """Data parallelism over ``axis`` in which each worker owns a ``coverage`` share of the model's groups —
     whole blocks (``granularity="block"``) or MLP hidden units and attention heads (``"neuron"``) — and every
-    group's gradient is the mean of its owners' (see ``spmd._subnet``). ``masking="forward"`` runs only the
-    subnetwork and stores only it; ``"backward"`` runs the full model and reduces only owned gradients.
+    group's gradient is the mean of its owners' (see :class:`spmd.execution.Subnetworks`). ``masking="forward"``
+    runs only the subnetwork and stores only it; ``"backward"`` runs the full model and reduces only owned
+    gradients.
 
     >>> subnetwork_dp(coverage=0.25, granularity="neuron").describe()
     'batch over data; subnetworks over data (coverage 0.25, neuron, forward masking)'
     """
     spec = SubnetSpec(axis=axis, coverage=coverage, granularity=granularity, masking=masking, seed=seed)
     spec.parts  # noqa: B018 - checks that the coverage is 1/P
-    # Owned arrays are stored [worker, ...]: their leading dimension goes to the axis. (With backward masking
-    # only gradients and optimizer state are owned, so the rule may match no parameter: not worth a warning.)
-    rule = LogicalRules((("worker", (axis,)),), source="sdp", report_unused=False)
-    return Plan(parts=(rule,), batch_axes=(axis,), subnet=spec)
+    return Plan(batch_axes=(axis,), execution=spec)

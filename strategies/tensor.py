@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from spmd import Plan, costmodel
-from spmd._plan import LogicalRules
+from spmd import axes as A
+from spmd.rules import LogicalRules
 
 # Common parameter names of unannotated third-party Flax models: column-parallel, then row-parallel projections.
 _COLUMN = r"(query|key|value|q_proj|k_proj|v_proj|qkv|wi|wi_0|wi_1|up_proj|gate_proj|fc1|c_fc|c_attn)/kernel$"
@@ -27,7 +28,7 @@ def tensor_parallel(*, axis: str = "tensor", rules: Sequence[tuple[str, Any]] = 
     {'fc1': {'kernel': P(None, 'tensor')}}
     """
     # The logical rules are generic, so a model without heads (an MLP) must not warn about them.
-    plan = Plan(parts=(LogicalRules((("heads", (axis,)), ("mlp", (axis,))), "tensor_parallel", report_unused=False),))
+    plan = Plan(parts=(LogicalRules(((A.HEADS, (axis,)), (A.MLP, (axis,))), "tensor_parallel", report_unused=False),))
     if rules:
         plan = plan + Plan.from_rules(rules, source="tensor_parallel rules")
     defaults = [(_COLUMN, (None, axis)), (_ROW, (axis, None))]
@@ -47,7 +48,7 @@ def sequence_parallel(*, axis: str = "tensor") -> Plan:
     >>> sequence_parallel().activation_spec(("batch", "seq", "embed"), (8, 32, 64), {"tensor": 2})
     P(None, 'tensor', None)
     """
-    seq = Plan(parts=(LogicalRules((("seq", (axis,)),), "sequence_parallel", report_unused=False),))
+    seq = Plan(parts=(LogicalRules(((A.SEQ, (axis,)),), "sequence_parallel", report_unused=False),))
     return tensor_parallel(axis=axis) + seq
 
 
@@ -71,10 +72,10 @@ def tensor_parallel_2d(*, axes: tuple[str, str] = ("tensor", "tensor2")) -> Plan
     if embed_axis == model_axis:
         raise ValueError(f"tensor_parallel_2d: the two axes must differ, got {axes}")
     rules = (
-        ("heads", (model_axis,)),
-        ("mlp", (model_axis,)),
-        ("vocab", (model_axis,)),
-        ("embed", (embed_axis,)),
+        (A.HEADS, (model_axis,)),
+        (A.MLP, (model_axis,)),
+        (A.VOCAB, (model_axis,)),
+        (A.EMBED, (embed_axis,)),
     )
     return Plan(parts=(LogicalRules(rules, "tensor_parallel_2d", report_unused=False),))
 

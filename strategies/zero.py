@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from spmd import Plan
-from spmd._plan import ShardLargest
+from spmd.rules import ShardLargest
 from strategies.data_parallel import data_parallel
 from strategies.fsdp import fsdp
 

@@ -62,11 +62,23 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
+from spmd import axes as A
 from spmd._pipeline import StagedModel
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
 
-__all__ = ["BUILTIN", "LMConfig", "Model", "from_module", "get", "loss_fn", "narrowed", "next_token_loss", "unbox"]
+__all__ = [
+    "BUILTIN",
+    "LMConfig",
+    "Model",
+    "from_module",
+    "get",
+    "loss_fn",
+    "narrowed",
+    "next_token_loss",
+    "rematerialised",
+    "unbox",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,8 +325,8 @@ def _gpt_factory(name: str, defaults: LMConfig) -> Callable[..., Model]:
 # Per family of built-in models that can be narrowed: each logical dimension a subnetwork can narrow, and the
 # LMConfig field it is.
 NARROWABLE = {
-    "gpt": {"layers": "layers", "mlp": "mlp", "heads": "heads"},
-    "cnn": {"layers": "layers", "channels": "mlp"},
+    "gpt": {A.LAYERS: "layers", A.MLP: "mlp", A.HEADS: "heads"},
+    "cnn": {A.LAYERS: "layers", A.CHANNELS: "mlp"},
 }
 
 
@@ -342,6 +354,19 @@ def narrowed(model: Model, sizes: Mapping[str, int]) -> Model:
         return from_module(_cnn(config), name=model.name, config=config, check=False)
     config = dataclasses.replace(model.config, head_size=model.config.head_dim, **fields)
     return _gpt_model(model.name, config)
+
+
+def rematerialised(model: Model) -> Model:
+    """A built-in ``model`` that rematerialises each layer in the backward pass (what FSDP plans ask for:
+    ``Plan.remat``), with the same parameters.
+
+    >>> rematerialised(get("gpt-tiny", layers=2)).config.remat
+    True
+    """
+    if model.name not in BUILTIN:
+        raise ValueError(f"model {model.name!r} is not built in: rematerialise its layers in its own code")
+    fields = {f.name: getattr(model.config, f.name) for f in dataclasses.fields(LMConfig)}
+    return BUILTIN[model.name](**(fields | {"remat": True}))
 
 
 def _mlp(config: LMConfig) -> nn.Module:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from spmd import axes as A
 from spmd._context import constrain
 from spmd.models.config import LMConfig
 from spmd.models.gpt import DENSE_INIT, LOGITS, RESIDUAL, _layer_norm, _lm_head, _token_embed, scanned
@@ -38,7 +39,7 @@ from spmd.models.gpt import DENSE_INIT, LOGITS, RESIDUAL, _layer_norm, _lm_head,
 __all__ = ["ConvLM", "WIDTH"]
 
 WIDTH = 3  # each position sees itself and the two before it, per block
-CHANNELS = ("batch", "seq", "channels")
+CHANNELS = (A.BATCH, A.SEQ, A.CHANNELS)
 
 
 def _conv(c: LMConfig, features: int, width: int, names: tuple[str, str, str], name: str) -> nn.Conv:
@@ -62,9 +63,9 @@ class ConvBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
         c = self.config
-        h = _conv(c, c.mlp, WIDTH, ("width", "embed", "channels"), "conv_in")(_layer_norm(c, "ln")(x))
+        h = _conv(c, c.mlp, WIDTH, (A.WIDTH, A.EMBED, A.CHANNELS), "conv_in")(_layer_norm(c, "ln")(x))
         h = constrain(nn.gelu(h), CHANNELS)
-        h = _conv(c, c.d_model, 1, ("width", "channels", "embed"), "conv_out")(h)
+        h = _conv(c, c.d_model, 1, (A.WIDTH, A.CHANNELS, A.EMBED), "conv_out")(h)
         return constrain(x + h, RESIDUAL), None
 
 

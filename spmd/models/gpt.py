@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from spmd import axes as A
 from spmd._context import constrain
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
@@ -44,10 +45,10 @@ from spmd.models.config import LMConfig
 __all__ = ["GPT", "causal_attention", "scanned", "staged", "EMBED_INIT", "DENSE_INIT"]
 
 # Logical names of activations at block boundaries (see spmd._context.constrain).
-RESIDUAL = ("batch", "seq", "embed")
-HEADS = ("batch", "seq", "heads", "head_dim")
-HIDDEN = ("batch", "seq", "mlp")
-LOGITS = ("batch", "seq", "vocab")
+RESIDUAL = (A.BATCH, A.SEQ, A.EMBED)
+HEADS = (A.BATCH, A.SEQ, A.HEADS, A.HEAD_DIM)
+HIDDEN = (A.BATCH, A.SEQ, A.MLP)
+LOGITS = (A.BATCH, A.SEQ, A.VOCAB)
 
 # GPT-2's small embedding init keeps the residual stream O(1) at the start; Dense kernels use flax's default
 # lecun_normal, which the pre-LayerNorm blocks make safe at any depth we build.
@@ -81,8 +82,8 @@ def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
         epsilon=1e-6,
         dtype=config.dtype,
         param_dtype=jnp.float32,
-        scale_init=_named(nn.initializers.ones, ("embed",)),
-        bias_init=_named(nn.initializers.zeros, ("embed",)),
+        scale_init=_named(nn.initializers.ones, (A.EMBED,)),
+        bias_init=_named(nn.initializers.zeros, (A.EMBED,)),
         name=name,
     )
 
@@ -124,12 +125,12 @@ class CausalSelfAttention(nn.Module):
         c = self.config
 
         def project(name: str) -> jax.Array:
-            dense = Projection((c.heads, c.head_dim), ("embed", "heads", "head_dim"), c.dtype, name=name)
+            dense = Projection((c.heads, c.head_dim), (A.EMBED, A.HEADS, A.HEAD_DIM), c.dtype, name=name)
             return constrain(dense(x), HEADS)
 
         q, k, v = project("query"), project("key"), project("value")
         y = constrain(causal_attention(q, k, v), HEADS)
-        return Projection((c.d_model,), ("heads", "head_dim", "embed"), c.dtype, name="out")(y)
+        return Projection((c.d_model,), (A.HEADS, A.HEAD_DIM, A.EMBED), c.dtype, name="out")(y)
 
 
 class Mlp(nn.Module):
@@ -145,7 +146,7 @@ class Mlp(nn.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("embed", "mlp")),
+            kernel_init=_named(DENSE_INIT, (A.EMBED, A.MLP)),
             name="wi",
         )(x)
         h = constrain(nn.gelu(h), HIDDEN)
@@ -154,7 +155,7 @@ class Mlp(nn.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("mlp", "embed")),
+            kernel_init=_named(DENSE_INIT, (A.MLP, A.EMBED)),
             name="wo",
         )(h)
 
@@ -178,7 +179,7 @@ def _token_embed(c: LMConfig, name: str = "embed") -> nn.Embed:
         c.d_model,
         dtype=c.dtype,
         param_dtype=jnp.float32,
-        embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+        embedding_init=_named(EMBED_INIT, (A.VOCAB, A.EMBED)),
         name=name,
     )
 
@@ -189,7 +190,7 @@ def _position_embed(c: LMConfig, name: str = "pos_embed") -> nn.Embed:
         c.d_model,
         dtype=c.dtype,
         param_dtype=jnp.float32,
-        embedding_init=_named(EMBED_INIT, ("position", "embed")),
+        embedding_init=_named(EMBED_INIT, (A.POSITION, A.EMBED)),
         name=name,
     )
 
@@ -203,7 +204,7 @@ def _lm_head(c: LMConfig, name: str = "lm_head") -> nn.Module:
         use_bias=False,
         dtype=c.dtype,
         param_dtype=jnp.float32,
-        kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+        kernel_init=_named(DENSE_INIT, (A.EMBED, A.VOCAB)),
         name=name,
     )
 
@@ -220,7 +221,7 @@ def scanned(block: type[nn.Module], c: LMConfig) -> Callable[..., nn.Module]:
         variable_axes={"params": 0},
         split_rngs={"params": True},
         length=c.layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
+        metadata_params={nn.PARTITION_NAME: A.LAYERS},
     )
 
 

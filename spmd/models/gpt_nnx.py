@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmd import axes as A
 from spmd._context import constrain
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
@@ -43,8 +44,8 @@ def _layer_norm(config: LMConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
         epsilon=1e-6,
         dtype=config.dtype,
         param_dtype=jnp.float32,
-        scale_init=_named(nnx.initializers.ones, ("embed",)),
-        bias_init=_named(nnx.initializers.zeros, ("embed",)),
+        scale_init=_named(nnx.initializers.ones, (A.EMBED,)),
+        bias_init=_named(nnx.initializers.zeros, (A.EMBED,)),
         rngs=rngs,
     )
 
@@ -62,7 +63,7 @@ class CausalSelfAttention(nnx.Module):
                 use_bias=False,
                 dtype=c.dtype,
                 param_dtype=jnp.float32,
-                kernel_init=_named(DENSE_INIT, ("embed", "heads", "head_dim")),
+                kernel_init=_named(DENSE_INIT, (A.EMBED, A.HEADS, A.HEAD_DIM)),
                 rngs=rngs,
             )
 
@@ -74,7 +75,7 @@ class CausalSelfAttention(nnx.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("heads", "head_dim", "embed")),
+            kernel_init=_named(DENSE_INIT, (A.HEADS, A.HEAD_DIM, A.EMBED)),
             rngs=rngs,
         )
 
@@ -96,7 +97,7 @@ class Mlp(nnx.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("embed", "mlp")),
+            kernel_init=_named(DENSE_INIT, (A.EMBED, A.MLP)),
             rngs=rngs,
         )
         self.wo = nnx.Linear(
@@ -105,7 +106,7 @@ class Mlp(nnx.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("mlp", "embed")),
+            kernel_init=_named(DENSE_INIT, (A.MLP, A.EMBED)),
             rngs=rngs,
         )
 
@@ -133,7 +134,7 @@ def _run_block(x: jax.Array, block: Block) -> jax.Array:
 
 # The same metadata transform as at creation, so inside the scan body the per-layer Variables' names
 # drop the leading "layers" together with the leading axis.
-_LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}
+_LAYERS_AXIS = {nnx.PARTITION_NAME: A.LAYERS}
 _scan_blocks = nnx.scan(_run_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
 # Remat inside the scan body: each scanned step recomputes its activations in the backward pass
 # (prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation).
@@ -157,7 +158,7 @@ class GPT(nnx.Module):
             c.d_model,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+            embedding_init=_named(EMBED_INIT, (A.VOCAB, A.EMBED)),
             rngs=rngs,
         )
         self.pos_embed = nnx.Embed(
@@ -165,7 +166,7 @@ class GPT(nnx.Module):
             c.d_model,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("position", "embed")),
+            embedding_init=_named(EMBED_INIT, (A.POSITION, A.EMBED)),
             rngs=rngs,
         )
 
@@ -183,7 +184,7 @@ class GPT(nnx.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+            kernel_init=_named(DENSE_INIT, (A.EMBED, A.VOCAB)),
             rngs=rngs,
         )
 

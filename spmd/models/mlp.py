@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from spmd import axes as A
 from spmd._context import constrain
 from spmd.models.config import LMConfig
 from spmd.models.gpt import DENSE_INIT, EMBED_INIT, HIDDEN, LOGITS, RESIDUAL
@@ -57,12 +58,12 @@ class MlpLM(nn.Module):
             c.d_model,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            embedding_init=nn.with_logical_partitioning(EMBED_INIT, ("vocab", "embed")),
+            embedding_init=nn.with_logical_partitioning(EMBED_INIT, (A.VOCAB, A.EMBED)),
             name="embed",
         )(tokens)
         x = constrain(x, RESIDUAL)
-        h = constrain(nn.gelu(dense(c.mlp, ("embed", "mlp"), "wi")(x)), HIDDEN)
+        h = constrain(nn.gelu(dense(c.mlp, (A.EMBED, A.MLP), "wi")(x)), HIDDEN)
         # Residual around the MLP: the embedding alone already gives a bigram model, so training starts from
         # a useful function instead of having to push everything through a randomly initialised MLP.
-        x = constrain(x + dense(c.d_model, ("mlp", "embed"), "wo")(h), RESIDUAL)
-        return constrain(dense(c.vocab, ("embed", "vocab"), "lm_head")(x), LOGITS)
+        x = constrain(x + dense(c.d_model, (A.MLP, A.EMBED), "wo")(h), RESIDUAL)
+        return constrain(dense(c.vocab, (A.EMBED, A.VOCAB), "lm_head")(x), LOGITS)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd import axes as A
 from spmd._context import active, constrain
 from spmd.models.config import LMConfig
 from spmd.models.gpt import (
@@ -62,10 +63,10 @@ from spmd.models.gpt import (
 __all__ = ["MoeGPT", "MoeMlp", "capacity", "route"]
 
 # Activations seen from the experts: expert-major, then the groups, the capacity slots, the features.
-EXPERT_TOKENS = ("expert", None, None, "embed")
-EXPERT_HIDDEN = ("expert", None, None, "mlp")
+EXPERT_TOKENS = (A.EXPERT, None, None, A.EMBED)
+EXPERT_HIDDEN = (A.EXPERT, None, None, A.MLP)
 # The experts' outputs, back to group-major (groups over the batch axes) before they are combined.
-GROUP_TOKENS = (None, "batch", None, "embed")
+GROUP_TOKENS = (None, A.BATCH, None, A.EMBED)
 # lecun_normal on the stacked kernels [expert, in, out]: fans from each expert's own matrix.
 EXPERT_INIT = nn.initializers.lecun_normal(batch_axis=(0,))
 
@@ -151,12 +152,12 @@ class MoeMlp(nn.Module):
         slots = capacity(seq, self.experts, self.top_k, self.capacity_factor)
         # The router's expert dimension is deliberately unnamed: a plan must not split it (every token needs
         # every expert's logit), and the kernel is tiny.
-        router = self.param("router", _named(DENSE_INIT, ("embed", None)), (c.d_model, self.experts), jnp.float32)
+        router = self.param("router", _named(DENSE_INIT, (A.EMBED, None)), (c.d_model, self.experts), jnp.float32)
         wi = self.param(
-            "wi", _named(EXPERT_INIT, ("expert", "embed", "mlp")), (self.experts, c.d_model, c.mlp), jnp.float32
+            "wi", _named(EXPERT_INIT, (A.EXPERT, A.EMBED, A.MLP)), (self.experts, c.d_model, c.mlp), jnp.float32
         )
         wo = self.param(
-            "wo", _named(EXPERT_INIT, ("expert", "mlp", "embed")), (self.experts, c.mlp, c.d_model), jnp.float32
+            "wo", _named(EXPERT_INIT, (A.EXPERT, A.MLP, A.EMBED)), (self.experts, c.mlp, c.d_model), jnp.float32
         )
 
         x = constrain(x, RESIDUAL)
@@ -214,7 +215,7 @@ class MoeGPT(nn.Module):
             c.d_model,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("vocab", "embed")),
+            embedding_init=_named(EMBED_INIT, (A.VOCAB, A.EMBED)),
             name="embed",
         )(tokens)
         positions = nn.Embed(
@@ -222,7 +223,7 @@ class MoeGPT(nn.Module):
             c.d_model,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            embedding_init=_named(EMBED_INIT, ("position", "embed")),
+            embedding_init=_named(EMBED_INIT, (A.POSITION, A.EMBED)),
             name="pos_embed",
         )(jnp.arange(seq))
         x = constrain(x + positions[None], RESIDUAL)
@@ -236,7 +237,7 @@ class MoeGPT(nn.Module):
             use_bias=False,
             dtype=c.dtype,
             param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, ("embed", "vocab")),
+            kernel_init=_named(DENSE_INIT, (A.EMBED, A.VOCAB)),
             name="lm_head",
         )(x)
         return constrain(logits, LOGITS)

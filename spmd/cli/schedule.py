@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from spmd._gantt import gantt_text, plot_gantt
-from spmd._schedule import Costs, simulate, validate
+import strategies
+from spmd.cli.common import console as make_console
+from spmd.cli.setup import schedule_arg
+from spmd.pipeline import Costs, gantt_text, plot_gantt, simulate, validate
+
+__all__ = ["command"]
 
 
-def schedule(args: argparse.Namespace) -> int:
-    import strategies
-    from spmd import cli
-
-    table = cli._schedule_arg(args.schedule)
+def command(args: argparse.Namespace) -> int:
+    """Simulates the schedule: no devices needed."""
+    table = schedule_arg(args.schedule)
     if isinstance(table, str):
         table = strategies.pipeline_schedule(
             table, stages=args.stages, microbatches=args.microbatches or 2 * args.stages, virtual=args.virtual
@@ -34,7 +36,7 @@ def schedule(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(timeline.to_dict()))
         return 0
-    console = cli._console()
+    console = make_console()
     s = timeline.schedule
     console.print(
         f"[bold]{s.name}[/]: {s.stages} stages, {s.microbatches} microbatches, {s.virtual} chunk(s) per device"

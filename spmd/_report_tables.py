@@ -1,0 +1,116 @@
+"""The report's terminal view: rich tables of the layout, the memory and the collectives, and its notes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group
+from rich.table import Table
+
+from spmd._format import format_bytes, format_seconds
+from spmd._layout import LeafLayout
+
+if TYPE_CHECKING:
+    from spmd._report import Report
+
+__all__ = ["tables"]
+
+
+def tables(report: Report, *, max_rows: int = 40) -> Group:
+    """The report as rich renderables: parameters, memory, collectives, then the execution mode's line, the
+    comparison with data parallelism, notes and warnings."""
+    parts: list[Any] = [_params(report, max_rows), _memory(report), _collectives(report)]
+    if report.execution is not None:
+        parts.append(report.execution.text)
+    if report.data_parallel is not None:
+        parts.append(_against_data_parallel(report))
+    parts += [f"note: {n}" for n in report.plan.notes]
+    parts += [f"[yellow]warning:[/] {w}" for w in report.warnings]
+    return Group(*parts)
+
+
+def _params(report: Report, max_rows: int) -> Table:
+    mesh = " × ".join(f"{k}={v}" for k, v in report.mesh_axes.items())
+    table = Table(title=f"Plan on mesh {mesh}: {report.plan.describe()}", title_justify="left")
+    for col in ("parameter", "shape", "dtype", "spec", "per device", "replicas"):
+        table.add_column(col, justify="right" if col in ("per device", "replicas") else "left")
+    for row in report.params[:max_rows]:
+        table.add_row(
+            row.path, _shape(row), row.dtype, _spec(row), format_bytes(row.bytes_per_device), str(row.replicas)
+        )
+    if len(report.params) > max_rows:
+        table.add_row(f"... {len(report.params) - max_rows} more", "", "", "", "", "")
+    return table
+
+
+def _memory(report: Report) -> Table:
+    table = Table(title="Memory per device", title_justify="left")
+    for col in ("", "analytic", "compiled"):
+        table.add_column(col, justify="left" if not col else "right")
+    pd, am, cm = report.per_device_bytes, report.analytic_memory, report.compiled_memory
+    table.add_row("parameters", format_bytes(pd["params"]), "")
+    table.add_row("gradients", format_bytes(pd["grads"]), "")
+    table.add_row("optimizer state", format_bytes(pd["optimizer"]), "")
+    table.add_row(
+        "arguments (state + batch)", format_bytes(am.get("argument_bytes")), format_bytes(cm.get("argument_bytes"))
+    )
+    if am.get("padding_bytes"):
+        table.add_row("  of which block padding", format_bytes(am["padding_bytes"]), "")
+    table.add_row(report.activation_note, format_bytes(am.get("activation_bytes")), "")
+    table.add_row(
+        "temporaries (grads, update, activations)",
+        format_bytes(am.get("temp_bytes")),
+        format_bytes(cm.get("temp_bytes")),
+    )
+    table.add_row("peak", format_bytes(am.get("peak_bytes")), format_bytes(cm.get("peak_bytes")))
+    return table
+
+
+def _collectives(report: Report) -> Table:
+    table = Table(title="Collectives the compiler generated (per step)", title_justify="left")
+    for col in ("kind", "mesh axes", "group", "count", "bytes", "traffic/device"):
+        table.add_column(col, justify="left" if col in ("kind", "mesh axes") else "right")
+    for c in report.collectives:
+        table.add_row(
+            c.kind, ",".join(c.axes) or "-", str(c.group_size), str(c.count), format_bytes(c.bytes),
+            format_bytes(c.traffic_bytes),
+        )  # fmt: skip
+    if not report.collectives:
+        table.add_row("none", "", "", "", "", "")
+    traffic = report.comm_bytes_per_step
+    compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"])
+    table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}"
+    if report.modelled_step_time is not None:
+        t = report.modelled_step_time
+        table.caption += (
+            f"; modelled step on {t.hardware}: compute {format_seconds(t.compute_s)} + communication "
+            f"{format_seconds(t.comm_s)}"
+        )
+    return table
+
+
+def _against_data_parallel(report: Report) -> str:
+    dp, v = report.data_parallel, report.vs_data_parallel()
+    reductions = ", ".join(f"{c.count} {c.kind} over {'×'.join(c.axes)} (group {c.group_size})" for c in dp.collectives)
+    compiled = (
+        f", compiled arguments {format_bytes(dp.compiled_memory['argument_bytes'])} "
+        f"({v['compiled_argument_bytes']:.3f}×)"
+        if "compiled_argument_bytes" in v
+        else ""
+    )
+    return (
+        f"against data parallelism on this mesh: model state {format_bytes(dp.per_device_bytes['total'])} "
+        f"per device (this plan {v['total_bytes']:.3f}×){compiled}; its collectives {reductions or 'none'}, "
+        f"{format_bytes(dp.comm_bytes_per_step['compiled'])} per device per step ({v['comm_bytes']:.3f}×)"
+    )
+
+
+def _shape(row: LeafLayout) -> str:
+    if row.padded_shape is None:
+        return str(row.shape)
+    dims = [str(n) if n == p else f"{n}→{p}" for n, p in zip(row.shape, row.padded_shape, strict=True)]
+    return "(" + ", ".join(dims) + ")"
+
+
+def _spec(row: LeafLayout) -> str:
+    return "(" + ", ".join("-" if e is None else e if isinstance(e, str) else "+".join(e) for e in row.spec) + ")"

@@ -1,0 +1,372 @@
+"""The parts a plan is made of: each proposes, for one array, mesh axes for some of its dimensions.
+
+Every part follows one protocol (:class:`Part`): it proposes a layout for a leaf (:class:`Proposal`), names the
+mesh axes it uses, names the logical rules it contributes to activations, reports its rules that matched nothing,
+and describes itself in a few words. A plan merges the proposals of its parts dimension by dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from jax.sharding import PartitionSpec
+
+from spmd import axes as names
+from spmd._tree import Leaf
+
+__all__ = [
+    "ROLES",
+    "Entries",
+    "LogicalRules",
+    "Part",
+    "PathRules",
+    "PlanError",
+    "Proposal",
+    "ShardLargest",
+    "assign_by_rules",
+    "as_entries",
+    "entry",
+    "to_spec",
+]
+
+ROLES = ("params", "grads", "optimizer")  # the three roles of the training state a plan lays out
+Entries = tuple[tuple[str, ...], ...]  # per dimension, the mesh axes splitting it (empty: not split)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to this tree on this mesh; the message says where and how to fix it.
+
+    >>> import spmd, numpy as np
+    >>> try:
+    ...     spmd.Plan.from_rules([("w", ("data",))]).specs({"w": np.zeros(3)}, {"data": 2})
+    ... except PlanError as e:
+    ...     print(str(e).split(";")[0])
+    w (3,): dimension 0 has size 3, not divisible by mesh axes ('data',) of size 2 (chosen by rules)
+    """
+
+
+def entry(value: Any, where: str) -> tuple[str, ...]:
+    """One spec entry (None, ``"axis"``, ``("a", "b")``) as a tuple of mesh axis names.
+
+    >>> entry(None, "x"), entry("data", "x"), entry(("data", "fsdp"), "x")
+    ((), ('data',), ('data', 'fsdp'))
+    """
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise PlanError(f"{where}: spec entry {value!r} must be None, a mesh axis name, or a tuple of names")
+
+
+def as_entries(spec: Any, where: str) -> Entries:
+    """A PartitionSpec (or a tuple of entries, or one axis name) as :data:`Entries`.
+
+    >>> as_entries(PartitionSpec("data", None), "x")
+    (('data',), ())
+    """
+    if isinstance(spec, str):  # a bare axis name reads as a one-dimensional spec
+        spec = (spec,)
+    if not isinstance(spec, (PartitionSpec, tuple, list)):
+        raise PlanError(f"{where}: spec {spec!r} must be a PartitionSpec or a tuple of mesh axis names / None")
+    return tuple(entry(v, where) for v in spec)
+
+
+def to_spec(entries: Sequence[tuple[str, ...]]) -> PartitionSpec:
+    """:data:`Entries` as a PartitionSpec.
+
+    >>> to_spec((("data",), (), ("tensor", "fsdp")))
+    P('data', None, ('tensor', 'fsdp'))
+    """
+    return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What one part asks of one array.
+
+    ``entries``: mesh axes per dimension (empty: no opinion); ``hits``: which of the part's rules matched (so the
+    plan can report rules that matched nothing); ``covers``: the part decided this array's layout (strict plans
+    want every array covered); ``pads``: dimensions padded up to a size (block alignment); ``note``: recorded in
+    the array's layout row; ``unmet``: the part should have split the array and could not — an error unless
+    another part split it or the plan allows it to stay replicated (``note`` then says why).
+
+    >>> Proposal(((), ("tensor",)), hits=(0,), covers=True).entries
+    ((), ('tensor',))
+    """
+
+    entries: Entries = ()
+    hits: tuple[int, ...] = ()
+    covers: bool = False
+    pads: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    note: str | None = None
+    unmet: str | None = None
+
+
+@runtime_checkable
+class Part(Protocol):
+    """The protocol of a plan's parts.
+
+    - ``source``: who made the part (a strategy's name), used in errors and descriptions;
+    - ``roles``: which roles of the training state (:data:`ROLES`) it lays out;
+    - ``after_rules``: whether it proposes after the rule parts, into the dimensions they left free;
+    - ``propose(leaf, taken, sizes)``: its :class:`Proposal` for one array (None: no opinion), given the axes
+      already taken per dimension and the mesh sizes (None when planning without a mesh);
+    - ``axes()``: the mesh axes it may use; ``logical_rules()``: the ``(logical name, mesh axes)`` rules it
+      contributes to activations (flax's rule context and :func:`spmd.constrain`);
+    - ``unused(hits)``: one message per rule of its own that no array matched; ``describe()``: a few words.
+
+    >>> isinstance(ShardLargest("fsdp"), Part), isinstance(LogicalRules((("mlp", ("tensor",)),)), Part)
+    (True, True)
+    """
+
+    source: str
+    roles: tuple[str, ...]
+    after_rules: bool
+
+    def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None: ...
+
+    def axes(self) -> frozenset[str]: ...
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]: ...
+
+    def unused(self, hits: set[int]) -> list[str]: ...
+
+    def describe(self) -> str: ...
+
+
+def _unused_rules(part: Any, hits: set[int]) -> list[str]:
+    if not part.report_unused:
+        return []
+    return [f"{part.source}: rule {rule[0]!r} matched nothing" for i, rule in enumerate(part.rules) if i not in hits]
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRules:
+    """Ordered ``(regex, spec)`` rules on the "/"-joined path; the first rule whose regex ``re.search``es wins.
+
+    A spec shorter than the array's rank leaves the trailing dimensions to other parts.
+    ``only_unannotated`` limits the rules to arrays without logical names (defaults for third-party models).
+
+    >>> from spmd._tree import leaves_with_paths
+    >>> import numpy as np
+    >>> (leaf,), _ = leaves_with_paths({"fc1": {"kernel": np.zeros((8, 32))}})
+    >>> PathRules(((r"fc1/kernel$", ((), ("tensor",))),)).propose(leaf, ((), ()), {"tensor": 2}).entries
+    ((), ('tensor',))
+    """
+
+    rules: tuple[tuple[str, Entries], ...]
+    source: str = "rules"
+    only_unannotated: bool = False
+    report_unused: bool = True
+    roles: ClassVar[tuple[str, ...]] = ROLES
+    after_rules: ClassVar[bool] = False
+
+    def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None:
+        if self.only_unannotated and leaf.names is not None:
+            return None
+        for i, (pattern, entries) in enumerate(self.rules):
+            if re.search(pattern, leaf.path):
+                if len(entries) > len(leaf.shape):
+                    raise PlanError(
+                        f"{self.source}: rule {pattern!r} gives spec {to_spec(entries)} with {len(entries)} entries "
+                        f"to {leaf.path!r} of shape {leaf.shape} (rank {len(leaf.shape)}); "
+                        f"shorten the spec or make the regex stricter"
+                    )
+                return Proposal(entries + ((),) * (len(leaf.shape) - len(entries)), hits=(i,), covers=True)
+        return None
+
+    def axes(self) -> frozenset[str]:
+        return frozenset(a for _, entries in self.rules for e in entries for a in e)
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return ()
+
+    def unused(self, hits: set[int]) -> list[str]:
+        return _unused_rules(self, hits)
+
+    def describe(self) -> str:
+        return self.source
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalRules:
+    """Ordered ``(logical_name, mesh_axes)`` rules (flax's convention) for arrays annotated with logical names.
+
+    For each dimension the first rule naming its logical axis whose mesh axes are still free in that array wins.
+
+    >>> from spmd._tree import leaves_with_paths
+    >>> from flax import linen as nn
+    >>> import numpy as np
+    >>> (leaf,), _ = leaves_with_paths({"wi": nn.LogicallyPartitioned(np.zeros((8, 32)), ("embed", "mlp"))})
+    >>> LogicalRules((("mlp", ("tensor",)),)).propose(leaf, ((), ()), None).entries
+    ((), ('tensor',))
+    """
+
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+    source: str = "logical rules"
+    report_unused: bool = True
+    roles: ClassVar[tuple[str, ...]] = ROLES
+    after_rules: ClassVar[bool] = False
+
+    def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None:
+        if leaf.names is None:
+            return None
+        # A rule counts as used when its logical name occurs, even if an earlier rule took the dimension.
+        hits = tuple(i for i, (logical, _) in enumerate(self.rules) if logical in leaf.names)
+        return Proposal(assign_by_rules(leaf.names, self.rules), hits=hits, covers=bool(hits))
+
+    def axes(self) -> frozenset[str]:
+        return frozenset(a for _, axes in self.rules for a in axes)
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return self.rules
+
+    def unused(self, hits: set[int]) -> list[str]:
+        return _unused_rules(self, hits)
+
+    def describe(self) -> str:
+        return self.source
+
+
+def assign_by_rules(
+    names: Sequence[str | None], rules: Sequence[tuple[str, tuple[str, ...]]], used: frozenset[str] = frozenset()
+) -> Entries:
+    """Mesh axes per dimension from ordered logical rules: rules are tried in order, each giving its axes to the
+    first still-unassigned dimension of its name if none of those axes is taken yet.
+
+    Rule order, not dimension order, decides: with ``heads → tensor`` before ``seq → tensor`` an attention
+    activation ``(batch, seq, heads, head_dim)`` splits its heads, while the residual ``(batch, seq, embed)``
+    splits its sequence (Megatron's sequence parallelism).
+
+    >>> assign_by_rules(("seq", "heads"), [("heads", ("tensor",)), ("seq", ("tensor",))])
+    ((), ('tensor',))
+    """
+    taken = set(used)
+    out: list[tuple[str, ...]] = [()] * len(names)
+    for logical, axes in rules:
+        if not axes or taken & set(axes):
+            continue
+        for d, name in enumerate(names):
+            if name == logical and not out[d]:
+                out[d] = axes
+                taken |= set(axes)
+                break
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLargest:
+    """Each array of at least ``min_bytes`` is split over ``axis`` on its largest dimension that no other part
+    took and whose size the axis divides. Dimensions named in ``avoid`` (e.g. stacked ``layers``, which a scan
+    walks through) are never chosen.
+
+    ``applies_to`` names the training-state roles it lays out: all three for FSDP/ZeRO-3 (the parameters
+    themselves are split), ``("optimizer",)`` for ZeRO-1 and ``("grads", "optimizer")`` for ZeRO-2, where the
+    parameters stay replicated.
+
+    ``block > 1`` aligns shards to whole blocks of that many rows (veScale-FSDP), so a block-wise optimizer sees
+    whole blocks on every device: the chosen dimension's shard must be a multiple of ``block``. Where no free
+    dimension allows that, the one needing the least padding is padded up to a multiple of ``block`` × the axis
+    size; the layout records the padded shape, and the training step stores the padded array and slices it
+    before the model sees it. ``paths``, when given, limits the part to exactly those arrays (a per-parameter
+    choice such as OSDP's).
+
+    >>> ShardLargest("fsdp", block=128).describe()
+    'fsdp(axis=fsdp, min_bytes=4096, block=128)'
+    """
+
+    axis: str
+    min_bytes: int = 4096
+    avoid: tuple[str, ...] = (names.LAYERS,)
+    source: str = "fsdp"
+    applies_to: tuple[str, ...] = ROLES
+    block: int = 1
+    paths: tuple[str, ...] = ()
+    after_rules: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise PlanError(f"{self.source}: block must be a positive number of rows, got {self.block}")
+        if self.block > 1 and "params" not in self.applies_to:
+            raise PlanError(
+                f"{self.source}: block-aligned shards need the parameters split too (the padded array is what "
+                f"is stored); use block alignment with fsdp/zero3/hsdp"
+            )
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.applies_to
+
+    def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None:
+        if leaf.nbytes < self.min_bytes or not leaf.shape or any(self.axis in e for e in taken):
+            return None
+        if self.paths and leaf.path not in self.paths:
+            return None
+        if sizes is None:
+            raise PlanError(
+                f"{self.source} chooses a divisible dimension, so it needs the mesh sizes: pass the mesh "
+                f"(plan.specs(tree, mesh))"
+            )
+        ways = sizes[self.axis]
+        logical = leaf.names or (None,) * len(leaf.shape)
+        free = [d for d in range(len(leaf.shape)) if not taken[d] and logical[d] not in self.avoid]
+        unit = ways * self.block
+        fits = [d for d in free if leaf.shape[d] % unit == 0]
+        if not fits and self.block > 1 and free and ways > 1:
+            return self._padded(leaf, free, unit)
+        if not fits:
+            return Proposal(
+                note=f"not split by {self.source}: no free dimension divisible by {self.axis!r} ({ways})",
+                unmet=(
+                    f"{leaf.path} {leaf.shape} ({leaf.nbytes} bytes, above {self.source}'s min_bytes="
+                    f"{self.min_bytes}): no free dimension is divisible by mesh axis {self.axis!r} of size {ways}; "
+                    f"change the mesh size or add a rule for it, or opt in to replication with "
+                    f"plan.allow_replication({quote(leaf.path)})"
+                ),
+            )
+        best = max(fits, key=lambda d: (leaf.shape[d], -d))  # largest, first on ties
+        return Proposal(self._on(best, len(leaf.shape)))
+
+    def _padded(self, leaf: Leaf, free: list[int], unit: int) -> Proposal:
+        """No dimension holds whole blocks on every device: pad the one that costs the fewest extra bytes."""
+
+        def padded(d: int) -> int:
+            return -(-leaf.shape[d] // unit) * unit
+
+        best = min(free, key=lambda d: (padded(d) * leaf.nbytes // leaf.shape[d], -leaf.shape[d], d))
+        note = f"padded from {leaf.shape[best]} to {padded(best)} on dimension {best} for {self.block}-row blocks"
+        return Proposal(self._on(best, len(leaf.shape)), pads={best: padded(best)}, note=note)
+
+    def _on(self, dim: int, ndim: int) -> Entries:
+        return tuple((self.axis,) if d == dim else () for d in range(ndim))
+
+    def axes(self) -> frozenset[str]:
+        return frozenset((self.axis,))
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return ()
+
+    def unused(self, hits: set[int]) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        options = f"axis={self.axis}, min_bytes={self.min_bytes}"
+        options += f", block={self.block}" if self.block > 1 else ""
+        options += f", {len(self.paths)} chosen arrays" if self.paths else ""
+        if self.applies_to != ROLES:
+            options += f", {'+'.join(self.applies_to)} only"
+        return f"{self.source}({options})"
+
+
+def quote(path: str) -> str:
+    """A regex matching exactly ``path``, quoted (for the fixes error messages offer).
+
+    >>> quote("params/w")
+    "'^params/w$'"
+    """
+    return repr("^" + re.escape(path) + "$")

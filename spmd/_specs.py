@@ -1,0 +1,194 @@
+"""How a plan executes, as plain data: the one manual field of a plan (``Plan.execution``).
+
+Most plans need no manual program: SPMD annotations say it all and XLA writes the collectives. Where they cannot
+(a pipeline schedule, uneven shares of the batch, subnetworks owned by groups of workers) the plan carries one
+execution spec. A spec is a frozen dataclass with no arrays, devices or closures; it names the mesh axes it uses,
+the logical names the arrays it stores carry (``stage``, ``worker``) and the mesh axes they go to, and builds its
+:class:`spmd.execution.Executor` for a :class:`spmd.execution.Task` (the implementation is imported only then, so
+this module stays free of JAX).
+
+A new execution mode is a subclass of :class:`ExecutionSpec` whose ``executor(task)`` returns an executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+from spmd import axes as names
+from spmd._schedule import Schedule
+
+if TYPE_CHECKING:
+    from spmd._executor import Executor, Task
+
+__all__ = ["GRANULARITIES", "MASKINGS", "ExecutionSpec", "PipelineSpec", "Shares", "SubnetSpec"]
+
+
+class ExecutionSpec:
+    """The base of execution specs (see the module docstring); subclasses are frozen dataclasses.
+
+    ``source`` names the mode in errors; ``splits_state`` says whether the mode itself splits part of the
+    training state over its axes (a plan then does not describe its parameters as replicated).
+
+    >>> import dataclasses, jax
+    >>> from spmd.execution import Executor
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Plain(ExecutionSpec):
+    ...     def executor(self, task):
+    ...         return Executor(jax.value_and_grad(task.loss))
+    >>> Plain().describe(), Plain().axes()
+    ('Plain', frozenset())
+    """
+
+    source: ClassVar[str] = "execution"
+    splits_state: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        """A few words for the plan's description."""
+        return type(self).__name__
+
+    def axes(self) -> frozenset[str]:
+        """The mesh axes the mode uses (checked against the mesh)."""
+        return frozenset()
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(logical name, mesh axes)`` rules for the dimensions the mode adds to the arrays it stores."""
+        return ()
+
+    def executor(self, task: Task) -> Executor:
+        """The executor running this mode for ``task``."""
+        raise NotImplementedError(f"{type(self).__name__}.executor(task) must return a spmd.execution.Executor")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec(ExecutionSpec):
+    """A pipeline: the mesh axis whose devices are the stages, the schedule they run, and how many of the model's
+    stacked layers each global stage holds (None: an even split). Stored layers are ``[stage, chunk, layer, ...]``.
+
+    >>> import strategies
+    >>> spec = strategies.pipeline("zb-h1", stages=4, microbatches=8).execution
+    >>> spec.describe(), spec.logical_rules()
+    ('pipeline zb-h1 over stage (4 stages, 8 microbatches)', (('stage', ('stage',)),))
+    """
+
+    axis: str
+    schedule: Schedule
+    layers_per_stage: tuple[int, ...] | None = None
+    source: ClassVar[str] = "pipeline"
+    splits_state: ClassVar[bool] = True
+
+    def describe(self) -> str:
+        s = self.schedule
+        chunks = f", {s.virtual} chunks per device" if s.virtual > 1 else ""
+        layers = f", layers per stage {list(self.layers_per_stage)}" if self.layers_per_stage else ""
+        return f"pipeline {s.name} over {self.axis} ({s.stages} stages, {s.microbatches} microbatches{chunks}{layers})"
+
+    def axes(self) -> frozenset[str]:
+        return frozenset((self.axis,))
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return ((names.STAGE, (self.axis,)),)
+
+    def executor(self, task: Task) -> Executor:
+        from spmd._pipeline import pipeline_executor
+
+        return pipeline_executor(self, task)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shares(ExecutionSpec):
+    """Uneven data parallelism: ``shares[i]`` examples for position ``i`` of mesh axis ``axis``, run as
+    ``shares[i] / microbatch`` loop iterations of ``microbatch`` examples.
+
+    >>> Shares("data", (12, 4), 4).loops
+    (3, 1)
+    """
+
+    axis: str
+    shares: tuple[int, ...]
+    microbatch: int = 1
+    source: ClassVar[str] = "uneven data parallelism"
+
+    def __post_init__(self) -> None:
+        if self.microbatch < 1 or any(s < 0 or s % self.microbatch for s in self.shares) or not sum(self.shares):
+            raise ValueError(
+                f"uneven data parallelism: shares {list(self.shares)} must be non-negative multiples of the "
+                f"microbatch ({self.microbatch}) with a positive sum"
+            )
+
+    @property
+    def loops(self) -> tuple[int, ...]:
+        return tuple(s // self.microbatch for s in self.shares)
+
+    @property
+    def batch(self) -> int:
+        return sum(self.shares)
+
+    def describe(self) -> str:
+        return f"uneven shares {list(self.shares)} over {self.axis} (microbatches of {self.microbatch})"
+
+    def axes(self) -> frozenset[str]:
+        return frozenset((self.axis,))
+
+    def executor(self, task: Task) -> Executor:
+        from spmd._shares import uneven_executor
+
+        return uneven_executor(self, task)
+
+
+GRANULARITIES = ("block", "neuron")
+MASKINGS = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubnetSpec(ExecutionSpec):
+    """Subnetwork data parallelism over ``axis``: each worker owns ``coverage`` (1/P) of the model's groups —
+    whole blocks or neurons (``granularity``) — assigned by ``seed``; ``masking`` says whether a worker runs
+    only its subnetwork (forward) or the full model with only its gradients kept (backward). Owned arrays are
+    stored ``[worker, ...]``.
+
+    >>> SubnetSpec(coverage=0.25).parts
+    4
+    """
+
+    axis: str = "data"
+    coverage: float = 0.5
+    granularity: str = "block"
+    masking: str = "forward"
+    seed: int = 0
+    source: ClassVar[str] = "sdp"
+    splits_state: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"sdp: granularity {self.granularity!r}; choose from {', '.join(GRANULARITIES)}")
+        if self.masking not in MASKINGS:
+            raise ValueError(f"sdp: masking {self.masking!r}; choose from {', '.join(MASKINGS)}")
+        if not 0 < self.coverage <= 1:
+            raise ValueError(f"sdp: coverage must be in (0, 1], got {self.coverage}")
+
+    @property
+    def parts(self) -> int:
+        """P: how many disjoint subnetworks the groups are cut into (coverage 1/P)."""
+        parts = round(1 / self.coverage)
+        if not math.isclose(parts * self.coverage, 1.0, rel_tol=1e-9):
+            raise ValueError(
+                f"sdp: coverage {self.coverage:g} is not 1/P for a whole number P (each worker owns one of P equal "
+                f"parts); use 1, 0.5, 0.25, 0.125, ..."
+            )
+        return parts
+
+    def describe(self) -> str:
+        return f"subnetworks over {self.axis} (coverage {self.coverage:g}, {self.granularity}, {self.masking} masking)"
+
+    def axes(self) -> frozenset[str]:
+        return frozenset((self.axis,))
+
+    def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return ((names.WORKER, (self.axis,)),)
+
+    def executor(self, task: Task) -> Executor:
+        from spmd._subnet import subnet_executor
+
+        return subnet_executor(self, task)

@@ -1,0 +1,43 @@
+"""What a device profile changes for a plan, as the ``plan`` and ``compare`` commands show it: the uneven split,
+and the modelled step time of the even and of the uneven split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmd import Report
+from spmd.cli.setup import Setup
+from spmd.execution import PipelineSpec
+from spmd.pipeline import split_layers
+from strategies import hetero
+
+__all__ = ["figures", "text"]
+
+
+def figures(s: Setup, report: Report) -> dict[str, Any]:
+    """``batch_shares`` or ``layers_per_stage``, the modelled step time of the even split and of the uneven one,
+    their ratio, and the ideal ratio Σs / (N · min s)."""
+    spec = s.plan.execution
+    layers = None
+    if isinstance(spec, PipelineSpec):
+        layers = split_layers(s.model.config.layers, spec.schedule.total_stages, spec.layers_per_stage)
+    return hetero.summary(
+        s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time, layers
+    )
+
+
+def text(info: dict[str, Any]) -> str:
+    """One line for the terminal."""
+    split = (
+        f"batch shares {info['batch_shares']}"
+        if info.get("batch_shares")
+        else f"layers per stage {info['layers_per_stage']}"
+        if info.get("layers_per_stage")
+        else "even split"
+    )
+    t = info["simulated_step_time"]
+    speedup, ideal = info["simulated_speedup"], info["ideal_speedup"]
+    return (
+        f"heterogeneous devices (speeds {info['device_speeds']}): {split}; modelled step "
+        f"{t['even'] * 1e3:.3g} ms even → {t['hetero'] * 1e3:.3g} ms uneven, speedup {speedup:.3f} (ideal {ideal:.3f})"
+    )

@@ -1,0 +1,51 @@
+"""``spmd run``: train with a plan, optionally checked against one device, checkpointed and resumed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import jax
+
+from spmd import costmodel
+from spmd.cli.common import console
+from spmd.cli.setup import setup
+from spmd.cli.train import max_abs_diff, reference, train
+from spmd.execution import PipelineSpec, Shares
+
+__all__ = ["command"]
+
+
+def command(args: argparse.Namespace) -> int:
+    s = setup(args)
+    run = train(s, args, label=args.strategy, quiet=args.json)
+    out: dict[str, Any] = {
+        "model": s.model.name,
+        "mesh": dict(s.mesh.shape),
+        "processes": jax.process_count(),
+        "strategy": args.strategy,
+        "plan": s.plan.describe(),
+        "losses": run.losses,
+        "per_device_bytes": costmodel.model_state_bytes(run.step.layout),
+    }
+    spec = s.plan.execution
+    if isinstance(spec, Shares):
+        out["batch_shares"] = list(spec.shares)
+    if isinstance(spec, PipelineSpec):
+        out["layers_per_stage"] = list(spec.layers_per_stage or ())
+    if args.checkpoint_dir:
+        out["checkpoint_step"] = args.steps
+    if args.check and jax.process_index() == 0:  # one device of the first process is the reference
+        ref = reference(s, args, quiet=args.json)
+        out["reference_losses"] = ref.losses
+        out["max_abs_diff"] = max_abs_diff(run, ref)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    c = console()
+    c.print(f"losses: {' '.join(f'{x:.4f}' for x in run.losses)}")
+    if "max_abs_diff" in out:
+        c.print(f"one device: {' '.join(f'{x:.4f}' for x in out['reference_losses'])}")
+        c.print(f"max |difference| over losses and parameters: {out['max_abs_diff']:.2e}")
+    return 0

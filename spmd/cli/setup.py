@@ -1,0 +1,197 @@
+"""What every command works with, built once from the command line: the mesh, the model, the plan, the
+optimizer, the cost model's hardware and the devices' profile (:class:`Setup`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import spmd
+import strategies
+from spmd import costmodel, data, models
+from spmd.cli.parser import UsageError
+from spmd.devices import Profile, parse_bytes
+from spmd.execution import PipelineSpec
+from spmd.pipeline import Schedule
+
+__all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg", "setup"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A command's model, mesh, plan, optimizer, hardware and device profile (None: homogeneous devices), with
+    the batch size and seed of its data."""
+
+    model: models.Model
+    mesh: jax.sharding.Mesh
+    plan: spmd.Plan
+    optimizer: optax.GradientTransformation
+    hardware: costmodel.Hardware
+    profile: Profile | None
+    batch_size: int
+    seed: int
+
+    @functools.cached_property
+    def params(self) -> Any:
+        """The model's abstract annotated parameters."""
+        return jax.eval_shape(self.model.init, jax.random.key(self.seed))
+
+    def step(self, *, mesh: jax.sharding.Mesh | None = None, plan: spmd.Plan | None = None) -> spmd.TrainStep:
+        """The training step of this setup (or of another mesh or plan, for the same model)."""
+        model = self.model
+        return spmd.TrainStep(
+            models.loss_fn(model),
+            self.optimizer,
+            plan or self.plan,
+            mesh or self.mesh,
+            params=self.params,
+            staged=model.staged,
+            narrow=lambda kept: models.loss_fn(models.narrowed(model, kept)),
+        )
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """The data of training step ``step``."""
+        c = self.model.config
+        return data.batch(self.seed, step, self.batch_size, c.seq_len, c.vocab)
+
+    def abstract_batch(self) -> dict[str, Any]:
+        return {"tokens": jax.ShapeDtypeStruct((self.batch_size, self.model.config.seq_len), jnp.int32)}
+
+
+def setup(
+    args: argparse.Namespace,
+    *,
+    model_name: str | None = None,
+    mesh_text: str | None = None,
+    strategy: str | None = None,
+) -> Setup:
+    """The setup the command line asks for (``model_name``, ``mesh_text``, ``strategy``: instead of the flags').
+    Strategies the cost model chooses get their context here, and a device profile makes the plan uneven."""
+    mesh = spmd.make_mesh(spmd.parse_mesh(mesh_text or args.mesh), dcn=_dcn(args))
+    profile = profile_of(args, mesh.size)
+    if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1:
+        # Devices of one kind together, so that the groups along the inner axes stay inside one kind.
+        order = strategies.hetero.kind_order(profile, dict(mesh.shape))
+        mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order])
+        profile = profile.reordered(order)
+    name = model_name or args.model
+    model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
+    hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)
+    plan = _plan(args, strategy or args.strategy, model, mesh, hardware, optimizer, profile)
+    if isinstance(plan.execution, PipelineSpec) and model.staged is None:
+        raise UsageError(
+            f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
+            f"the built-in GPTs gpt-tiny, gpt-small and their -nnx twins have one)"
+        )
+    if plan.remat and name in models.BUILTIN:  # user factories need not know the option
+        model = models.rematerialised(model)
+    return Setup(model, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed)
+
+
+def _plan(
+    args: argparse.Namespace,
+    strategy: str,
+    model: models.Model,
+    mesh: jax.sharding.Mesh,
+    hardware: costmodel.Hardware,
+    optimizer: optax.GradientTransformation,
+    profile: Profile | None,
+) -> spmd.Plan:
+    uneven = profile if profile is not None and not getattr(args, "even", False) else None
+    context = None
+    if set(strategy.split("+")) & set(strategies.CHOSEN) or uneven is not None:
+        context = strategies.Context(
+            jax.eval_shape(model.init, jax.random.key(args.seed)),
+            costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len),
+            hardware,
+            optimizer,
+            getattr(args, "memory_per_device", None),
+            profile=uneven,
+            microbatch=getattr(args, "microbatch", 1),
+        )
+    options = None
+    if hasattr(args, "schedule"):
+        schedule = schedule_arg(args.schedule)
+        options = strategies.PipelineOptions(schedule, args.microbatches, args.virtual, args.layers_per_stage)
+    subnet = None
+    if hasattr(args, "coverage"):
+        subnet = strategies.SubnetOptions(args.coverage, args.granularity, args.masking, args.seed)
+    return strategies.from_names(
+        strategy,
+        dict(mesh.shape),
+        context=context,
+        pipeline_options=options,
+        subnet_options=subnet,
+        block=getattr(args, "block", None),
+    )
+
+
+def _dcn(args: argparse.Namespace) -> dict[str, int] | None:
+    return spmd.parse_mesh(args.dcn) if getattr(args, "dcn", None) else None
+
+
+def schedule_arg(value: str) -> str | Schedule:
+    """A schedule name, or a table loaded from a .json/.csv file."""
+    if value.endswith((".json", ".csv")):
+        if not os.path.exists(value):
+            raise UsageError(f"--schedule {value!r}: no such file")
+        return Schedule.load(value)
+    return value
+
+
+def hardware_of(args: argparse.Namespace, profile: Profile | None = None, axes: Any = ()) -> costmodel.Hardware:
+    """The cost model's device: --device-kind, else the kind of the devices present; the link bandwidths a device
+    profile declares for the mesh ``axes`` on top, and --axis-bandwidth over those."""
+    kind = getattr(args, "device_kind", None)
+    if kind:
+        hw = costmodel.hardware(kind)
+    else:
+        device = jax.devices()[0]
+        hw = costmodel.detect(device.device_kind, device.platform)
+    bandwidth = (profile.link_bandwidth(list(axes)) if profile is not None else {}) | dict(
+        getattr(args, "axis_bandwidth", None) or {}
+    )
+    return hw.with_axis_bandwidth(bandwidth) if bandwidth else hw
+
+
+def optimizer_of(args: argparse.Namespace) -> optax.GradientTransformation:
+    # eps=1e-6 rather than 1e-8: with 1e-8, Adam turns reduction-order noise in near-zero gradients into
+    # parameter differences near 1e-4 after 20 steps, and --check could no longer tell noise from a bug.
+    return optax.adam(args.lr, eps=1e-6)
+
+
+def profile_of(args: argparse.Namespace, devices: int) -> Profile | None:
+    """The device profile the flags give, checked against the mesh's device count; None without one."""
+    speeds, memory, path = (getattr(args, k, None) for k in ("device_speeds", "device_memory", "device_profile"))
+    if path and (speeds or memory):
+        raise UsageError("give either --device-profile or --device-speeds/--device-memory, not both")
+    if path:
+        profile = Profile.load(path)
+    elif speeds or memory:
+        values = _numbers(speeds, "--device-speeds") if speeds else [1.0] * devices
+        sizes = [parse_bytes(m, "--device-memory") for m in memory.split(",")] if memory else None
+        profile = Profile.from_speeds(values, sizes)
+    else:
+        return None
+    try:
+        return profile.check(devices)
+    except ValueError as e:
+        raise UsageError(f"{e} (the mesh has {devices} devices)") from None
+
+
+def _numbers(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise UsageError(f"{flag} {text!r}: give one positive number per device, e.g. 3,3,1,1")
+    return values

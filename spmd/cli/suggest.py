@@ -1,0 +1,116 @@
+"""``spmd suggest``: every mesh and strategy composition for the devices, ranked by the cost model under the
+memory budget; the best few compiled on the devices present (emulated CPU devices will do)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import spmd
+from spmd import costmodel, models
+from spmd.cli.common import console as make_console
+from spmd.cli.setup import hardware_of, optimizer_of
+from strategies import suggest as search
+
+__all__ = ["command"]
+
+
+def command(args: argparse.Namespace) -> int:
+    devices = len(jax.devices())
+    model = models.get(args.model, **({"layers": args.layers} if args.layers else {}))
+    params = jax.eval_shape(model.init, jax.random.key(args.seed))
+    hardware, optimizer, budget = hardware_of(args), optimizer_of(args), args.memory_per_device
+    workload = costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len)
+    ranked, skipped = search.rank(
+        params,
+        workload,
+        hardware,
+        devices=devices,
+        memory_per_device=budget,
+        optimizer=optimizer,
+        max_tensor=args.max_tensor,
+    )
+    if not ranked:
+        raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
+
+    def compile_report(mesh_axes: dict, plan: spmd.Plan) -> spmd.Report:
+        built = models.rematerialised(model) if plan.remat and args.model in models.BUILTIN else model
+        step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, spmd.make_mesh(mesh_axes), params=params)
+        return spmd.report(step, batch, hardware=hardware)
+
+    confirmed = search.confirm(ranked, compile_report, memory_per_device=budget, top=args.confirm)
+    best, why = search.pick(confirmed, budget)
+    if args.json:
+        out = {
+            "model": model.name,
+            "devices": devices,
+            "memory_per_device": budget,
+            "hardware": hardware.name,
+            "pick": None if best is None else best.to_dict(),
+            "why": why,
+            "ranked": [s.to_dict() for s in confirmed],
+            "skipped": skipped,
+        }
+        print(json.dumps(out))
+    else:
+        _show(args, model.name, devices, hardware.name, confirmed, skipped, best, why)
+    return 0 if best is not None else 1
+
+
+def _show(
+    args: argparse.Namespace,
+    model: str,
+    devices: int,
+    hardware: str,
+    confirmed: list,
+    skipped: list,
+    best: Any,
+    why: str,
+) -> None:
+    console = make_console()
+    console.print(_suggest_table(confirmed[: args.top], model, devices, args.memory_per_device, hardware))
+    if len(confirmed) > args.top:
+        console.print(f"... {len(confirmed) - args.top} more plans (--top to show them); {len(skipped)} skipped")
+    console.print(f"[bold]pick:[/] {why}" if best is not None else f"[red]{why}")
+    if best is not None:
+        shown = ",".join(f"{k}={v}" for k, v in best.mesh.items())
+        console.print(f"run it: spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}")
+        for note in best.plan.notes:
+            console.print(f"note: {note}")
+
+
+def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: str) -> Any:
+    from rich.table import Table
+
+    mb = spmd.format_bytes
+
+    title = f"{model} on {devices} devices ({hardware}), {mb(budget)} each: plans ranked by modelled step time"
+    table = Table(title=title, title_justify="left")
+    columns = ("#", "mesh", "strategy", "memory (model)", "fits", "compiled peak", "traffic", "step (model)")
+    for col in columns:
+        # The mesh and strategy are what a reader copies into `spmd run`: never cut them short.
+        table.add_column(
+            col, justify="left" if col in ("mesh", "strategy", "fits") else "right", no_wrap=col in ("mesh", "strategy")
+        )
+    for i, s in enumerate(rows, 1):
+        e = s.estimate
+        peak = "" if s.compiled_memory is None else mb(s.compiled_memory.get("peak_bytes"))
+        fits = "yes" if s.fits else "no"
+        if s.confirmed is not None:
+            fits += ", compiled " + ("fits" if s.confirmed else "does not")
+        table.add_row(
+            str(i),
+            ",".join(f"{k}={v}" for k, v in s.mesh.items()),
+            s.strategy,
+            mb(e.memory_bytes),
+            fits,
+            peak,
+            mb(e.comm_bytes),
+            f"{e.time.total_s * 1e3:.3g} ms",
+        )
+    return table

@@ -1,0 +1,38 @@
+"""How a step's loss and gradients are computed: the execution seam, and the modes built on it.
+
+A plan carries at most one execution spec (``Plan.execution``: plain data); the spec builds an
+:class:`Executor` (a value of pure functions) for a :class:`Task`. Plain SPMD execution (:func:`plain`), pipelines
+(:class:`PipelineSpec`, :class:`spmd.pipeline.Pipeline`), uneven data shares (:class:`Shares`,
+:class:`UnevenData`) and subnetworks (:class:`SubnetSpec`, :class:`Subnetworks`) are its implementations; a new
+mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor`.
+
+>>> import spmd, strategies
+>>> plan = strategies.subnetwork_dp(coverage=0.5)
+>>> isinstance(plan.execution, spmd.execution.SubnetSpec), plan.execution.axes()
+(True, frozenset({'data'}))
+"""
+
+from spmd._executor import Executor, Summary, Task, identity, plain
+from spmd._shares import UnevenData, uneven_executor
+from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Shares, SubnetSpec
+from spmd._subnet import Ownership, Subnetworks, ownership, subnet_executor
+
+__all__ = [
+    "GRANULARITIES",
+    "MASKINGS",
+    "ExecutionSpec",
+    "Executor",
+    "Ownership",
+    "PipelineSpec",
+    "Shares",
+    "SubnetSpec",
+    "Subnetworks",
+    "Summary",
+    "Task",
+    "UnevenData",
+    "identity",
+    "ownership",
+    "plain",
+    "subnet_executor",
+    "uneven_executor",
+]

@@ -1,0 +1,35 @@
+"""Pipeline parallelism: schedules as data (the IR a strategy writes), their simulation and Gantt charts, and the
+engine that runs any valid schedule inside one SPMD program.
+
+>>> from spmd import pipeline
+>>> s = pipeline.Schedule("mine", 2, (("F0", "F1", "BW0", "BW1"), ("F0", "BW0", "F1", "BW1")))
+>>> pipeline.simulate(s).bubble_fraction  # exact: device 1 waits for F0, device 0 for BW0
+Fraction(1, 3)
+"""
+
+from spmd._gantt import COLORS, gantt_text, plot_gantt
+from spmd._pipeline import TICK_SCOPE, Pipeline, StagedModel, TickProgram, pipeline_executor, split_layers, tick_program
+from spmd._schedule import KINDS, Action, Costs, Schedule, ScheduleError, Timeline, simulate, validate
+from spmd._specs import PipelineSpec
+
+__all__ = [
+    "COLORS",
+    "KINDS",
+    "TICK_SCOPE",
+    "Action",
+    "Costs",
+    "Pipeline",
+    "PipelineSpec",
+    "Schedule",
+    "ScheduleError",
+    "StagedModel",
+    "TickProgram",
+    "Timeline",
+    "gantt_text",
+    "pipeline_executor",
+    "plot_gantt",
+    "simulate",
+    "split_layers",
+    "tick_program",
+    "validate",
+]
