@@ -61,8 +61,7 @@ def main() -> None:
         if option == "block":
             plan = plan.with_block(args.block)
         model = models.get(args.model, **overrides, remat=plan.remat)
-        step = spmd.train_step(models.loss_fn(model), optimizer, plan, spmd.make_mesh(axes))
-        step.prepare(params)
+        step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, spmd.make_mesh(axes), params=params)
         batch = data.batch(0, 0, args.batch_size, model.config.seq_len, model.config.vocab)
         r = spmd.report(step, batch, hardware=hardware)
         comm, am, cm = r.comm_bytes_per_step, r.analytic_memory, r.compiled_memory

@@ -47,8 +47,8 @@ def main() -> None:
 
     def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
         mesh = spmd.make_mesh(axes)
-        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh, staged=model.staged)
-        layout = step.prepare(abstract)
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=abstract, staged=model.staged)
+        layout = step.layout
         flops = costmodel.flops_per_device(layout.params.leaves, plan, axes, workload)
         traffic = costmodel.traffic(layout, plan, axes, workload)
         return step, flops, costmodel.step_time(flops, traffic, hardware, axes)
@@ -60,7 +60,7 @@ def main() -> None:
     for col in ("cluster", "plan", "split", "even", "uneven", "speedup", "ideal", "speedup / ideal"):
         table.add_column(col, justify="left" if col in ("cluster", "plan", "split") else "right")
     for cluster, speeds in CLUSTERS.items():
-        profile = spmd.Profile.from_speeds(speeds)
+        profile = spmd.devices.Profile.from_speeds(speeds)
         data_axes = {"data": 8}
         shares = hetero.batch_shares(args.batch_size, profile, data_axes)
         plan = strategies.data_parallel() + hetero.uneven_data_parallel(shares)
@@ -71,7 +71,9 @@ def main() -> None:
         options = strategies.PipelineOptions("1f1b", args.microbatches, 1, counts)
         pp_plan = strategies.from_names("pp+dp", pp_axes, pipeline_options=options)
         step, flops, modelled = priced(pp_plan, pp_axes)
-        pp = hetero.summary(pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.pipeline.placement.counts)
+        pp = hetero.summary(
+            pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.executor.engine.placement.counts
+        )
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
             ("pp+dp, stage=4 × data=2", pp, f"layers {pp['layers_per_stage']}"),

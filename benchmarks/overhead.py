@@ -109,7 +109,8 @@ def main() -> None:
         batches = [data.batch(args.seed, i, args.batch_size, c.seq_len, c.vocab) for i in range(args.steps + 1)]
 
         # -- spmd ---------------------------------------------------------------------------------------------
-        step = spmd.train_step(loss_fn, optax.adam(1e-3), plan, mesh)
+        params = jax.eval_shape(model.init, jax.random.key(args.seed))
+        step = spmd.TrainStep(loss_fn, optax.adam(1e-3), plan, mesh, params=params)
         state = step.init(model.init, jax.random.key(args.seed))
         spmd_hlo = step.compile(batches[0]).as_text()
 

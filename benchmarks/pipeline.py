@@ -39,8 +39,7 @@ def main() -> None:
 
     import strategies
     from spmd import data, models
-    from spmd._report import memory_of
-    from spmd._schedule import Costs, simulate
+    from spmd.pipeline import Costs, simulate
 
     model = models.get("gpt-tiny", layers=8)
     mesh = spmd.make_mesh(MESH)
@@ -49,7 +48,7 @@ def main() -> None:
     def step_for(name: str) -> spmd.TrainStep:
         options = strategies.PipelineOptions(name, args.microbatches, VIRTUAL.get(name, 1))
         plan = strategies.from_names("pp+dp", MESH, pipeline_options=options)
-        return spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh, staged=model.staged)
+        return spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=abstract, staged=model.staged)
 
     def batch(size: int) -> dict:
         return data.batch(0, 0, size, model.config.seq_len, model.config.vocab)
@@ -58,10 +57,11 @@ def main() -> None:
     for name in args.schedules.split(","):
         step = step_for(name)
         state = step.init(model.init, jax.random.key(0))
-        schedule = step.plan.pipeline.schedule
+        engine = step.executor.engine
+        schedule = step.plan.execution.schedule
         v = schedule.virtual
         # Executed: the branch each device's switch took at each tick.
-        codes = step.pipeline.executed(state.params, batch(args.batch_size), data_axes=step.data_axes)
+        codes = engine.executed(state.params, batch(args.batch_size))
         executed_idle = []
         for d in range(schedule.stages):
             busy = np.flatnonzero(codes[:, d])
@@ -69,15 +69,14 @@ def main() -> None:
         simulated = simulate(schedule, Costs(F=v, B=v, W=v, BW=v))
         simulated_idle = [int(x) for x in simulated.idle]
         # Memory that grows with the activations: temporaries at twice the batch minus at the batch.
-        temps = []
-        for size in (args.batch_size, 2 * args.batch_size):
-            s = step_for(name)
-            s.prepare(abstract)
-            temps.append(memory_of(s.compile(batch(size)))["temp_bytes"])
+        temps = [
+            step.compile(batch(size)).memory_analysis().temp_size_in_bytes
+            for size in (args.batch_size, 2 * args.batch_size)
+        ]
         growth[name] = temps[1] - temps[0]
-        x = step.pipeline.activation(state.params, batch(args.batch_size), step.data_axes)
+        x = engine.activation(state.params, batch(args.batch_size))
         input_bytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize  # doubles with the batch
-        rows.append((name, v, executed_idle, simulated_idle, simulated, step.pipeline.program.slots))
+        rows.append((name, v, executed_idle, simulated_idle, simulated, engine.program.slots))
 
     table = Table(
         title=f"gpt-tiny on stage=4 × data=2, {args.microbatches} microbatches: executed vs simulated",

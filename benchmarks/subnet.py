@@ -41,9 +41,11 @@ def main() -> None:
 
     held_out = data.batch(0, 10**6, 256, model.config.seq_len, model.config.vocab)  # the same chain, unseen steps
     evaluate = jax.jit(models.loss_fn(model))
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
 
     def train(plan: spmd.Plan) -> tuple[float, float, int]:
-        step = spmd.train_step(models.loss_fn(model), optax.adam(3e-3, eps=1e-6), plan, mesh, narrow=narrow)
+        optimizer = optax.adam(3e-3, eps=1e-6)
+        step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, mesh, params=abstract, narrow=narrow)
         state = step.init(model.init, jax.random.key(0))
         losses = []
         for i in range(args.steps):

@@ -35,8 +35,8 @@ def main() -> None:
     for name in ("dp", "zero1", "zero2", "zero3"):
         plan = strategies.from_names(name)
         model = models.get(args.model, remat=plan.remat)
-        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh)
-        step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params)
         batch = data.batch(0, 0, args.batch_size, model.config.seq_len, model.config.vocab)
         reports[name] = spmd.report(step, batch)
 

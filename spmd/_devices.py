@@ -7,7 +7,12 @@ from jax._src import xla_bridge
 
 
 def backend_started() -> bool:
-    """Whether JAX has already created its backends (after which the device count is fixed)."""
+    """Whether JAX has already created its backends (after which the device count is fixed).
+
+    >>> _ = jax.devices()  # anything that asks for devices starts them
+    >>> backend_started()
+    True
+    """
     return xla_bridge.backends_are_initialized()
 
 

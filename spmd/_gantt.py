@@ -50,7 +50,15 @@ def _unit(timeline: Timeline) -> Fraction:
 
 def plot_gantt(timeline: Timeline, ax: Any = None, *, title: str | None = None) -> Any:
     """Draws the timeline on ``ax`` (a new figure if None): a bar per action, coloured by kind, labelled with
-    its microbatch (and chunk); returns the axes."""
+    its microbatch (and chunk); returns the axes.
+
+    >>> import strategies
+    >>> from matplotlib.figure import Figure
+    >>> from spmd._schedule import simulate
+    >>> ax = plot_gantt(simulate(strategies.pipeline_schedule("gpipe", stages=2, microbatches=2)), Figure().subplots())
+    >>> ax.get_title(), len(ax.patches)  # one bar per action: 2 devices × 2 microbatches × (F, BW)
+    ('gpipe: p=2, m=2, v=1, bubble 0.333', 8)
+    """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

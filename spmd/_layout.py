@@ -176,7 +176,13 @@ def resolve_state(
 
     ``trained``: the arrays the gradients and the optimizer state are kept for, when they are not the stored
     parameters themselves (subnetwork data parallelism with backward masking keeps them per part).
-    See :class:`StateLayout` for an example.
+    See :class:`StateLayout` for more.
+
+    >>> import optax, jax, strategies
+    >>> params = {"w": jax.ShapeDtypeStruct((64, 64), "float32")}
+    >>> layout = resolve_state(strategies.zero1(), params, optax.adam(1e-3), {"data": 8})  # no devices needed
+    >>> layout.params.leaves[0].spec, [r.spec for r in layout.opt_state.leaves]  # ZeRO-1 splits Adam's moments
+    (P(None, None), [P(), P('data', None), P('data', None)])
     """
     trained = annotated_params if trained is None else trained
     params = plan.resolve(annotated_params, mesh)

@@ -22,7 +22,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,11 @@ from spmd._layout import StateLayout, stored_abstract
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
 from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate
-from spmd._specs import PipelineSpec
 from spmd._tree import is_box, leaves_with_paths
 from spmd.costmodel import Contribution, Workload, data_parallel_traffic, pipeline_tick_bytes, pipeline_traffic
+
+if TYPE_CHECKING:
+    from spmd._specs import PipelineSpec
 
 __all__ = ["Pipeline", "StagedModel", "TickProgram", "pipeline_executor", "split_layers", "tick_program"]
 
@@ -62,6 +64,11 @@ class StagedModel:
     - ``layers_key``: the path of the stacked layers in the parameter tree (leading dimension = layer);
     - ``activation_names``: logical names of ``x``'s dimensions (e.g. ``("batch", "seq", "embed")``), which lay
       out the kept stage inputs as the model lays out its activations.
+
+    >>> from spmd import models
+    >>> staged = models.get("gpt-tiny", layers=2).staged  # the built-in GPT, cut for pipelining
+    >>> staged.layers_key, staged.activation_names
+    (('params', 'layers'), ('batch', 'seq', 'embed'))
     """
 
     embed: Callable[[Any, Any], jax.Array]
@@ -152,7 +159,13 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class TickProgram:
     """The schedule compiled to ticks: ``table[tick, device]`` holds the :data:`FIELDS`; ``slots`` is the
-    number of stage-input slots each device needs."""
+    number of stage-input slots each device needs.
+
+    >>> import strategies
+    >>> s = strategies.pipeline_schedule("gpipe", stages=2, microbatches=2)
+    >>> tick_program(s, Placement(s, (1, 1))).actions()  # [tick][device]
+    [['F0', None], ['F1', 'F0'], [None, 'F1'], [None, 'BW0'], ['BW0', 'BW1'], ['BW1', None]]
+    """
 
     table: np.ndarray
     slots: int
@@ -176,7 +189,14 @@ class TickProgram:
 def tick_program(schedule: Schedule, placement: Placement) -> TickProgram:
     """Each action runs in the tick the simulator gives it at unit cost; a result sent in tick ``t`` is stored
     by its receiver at the end of ``t``. Slots are assigned by interval colouring (optimal: the number of slots
-    is the peak of held inputs)."""
+    is the peak of held inputs).
+
+    >>> import strategies
+    >>> s = strategies.pipeline_schedule("1f1b", stages=4, microbatches=8)
+    >>> program = tick_program(s, Placement(s, (1, 1, 1, 1)))  # one layer per stage
+    >>> program.ticks, program.slots, simulate(s).peak_inflight  # device 0 holds 4 stage inputs at most
+    (22, 4, (4, 3, 2, 1))
+    """
     v = schedule.virtual  # a chunk's op costs 1/v of a stage's: scale so that every op takes one tick
     timeline = simulate(schedule, Costs(F=v, B=v, W=v, BW=v))
     table = timeline.ticks()

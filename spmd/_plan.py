@@ -9,28 +9,21 @@ a kernel over both axes, and two parts that want different axes on one dimension
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._layout import Layout
-from spmd._resolve import resolve, sizes_of
+from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
     LogicalRules,
     Part,
     PathRules,
     PlanError,
     ShardLargest,
-    as_entries,
-    assign_by_rules,
-    entry,
-    to_spec,
 )
 from spmd._specs import ExecutionSpec
 
@@ -50,8 +43,7 @@ class Plan:
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
     than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
 
-    >>> import spmd
-    >>> from jax.sharding import PartitionSpec as P
+    >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
     >>> plan.specs({"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}})
     {'dense': {'bias': P(None,), 'kernel': P(None, 'tensor')}}
@@ -70,30 +62,15 @@ class Plan:
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_rules(
-        cls,
-        rules: Sequence[tuple[str, Any]],
-        /,
-        *,
-        source: str = "rules",
-        only_unannotated: bool = False,
+        cls, rules: Sequence[tuple[str, Any]], /, *, source: str = "rules", only_unannotated: bool = False,
         report_unused: bool = True,
-    ) -> Plan:
+    ) -> Plan:  # fmt: skip
         """A plan from ordered ``(regex, spec)`` path rules; spec is a PartitionSpec or a tuple of axes / None.
 
         >>> Plan.from_rules([("embed", ("fsdp", None))]).parts[0].rules
         (('embed', (('fsdp',), ())),)
         """
-        checked = []
-        for item in rules:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-                raise PlanError(f"Plan.from_rules: each rule is (regex, spec); got {item!r}")
-            pattern, spec = item
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise PlanError(f"Plan.from_rules: rule regex {pattern!r} does not compile: {e}") from None
-            checked.append((pattern, as_entries(spec, f"Plan.from_rules rule {pattern!r}")))
-        part = PathRules(tuple(checked), source, only_unannotated=only_unannotated, report_unused=report_unused)
+        part = PathRules.parse(rules, source, only_unannotated=only_unannotated, report_unused=report_unused)
         return cls(parts=(part,))
 
     @classmethod
@@ -103,12 +80,7 @@ class Plan:
         >>> Plan.from_logical_rules([("mlp", "tensor"), ("embed", None)]).parts[0].rules
         (('mlp', ('tensor',)), ('embed', ()))
         """
-        checked = []
-        for item in rules:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-                raise PlanError(f"Plan.from_logical_rules: each rule is (logical_name, mesh_axes); got {item!r}")
-            checked.append((item[0], entry(item[1], f"Plan.from_logical_rules rule {item[0]!r}")))
-        return cls(parts=(LogicalRules(tuple(checked), source=source),))
+        return cls(parts=(LogicalRules.parse(rules, source),))
 
     def __add__(self, other: Plan) -> Plan:
         if not isinstance(other, Plan):
@@ -225,17 +197,7 @@ class Plan:
 
         >>> Plan(batch_axes=("data",)).check_mesh({"data": 8})
         """
-        sizes = sizes_of(mesh)
-        for source, axes in self.axes_by_source().items():
-            missing = sorted(axes - set(sizes))
-            if missing:
-                shown = ",".join(f"{k}={v}" for k, v in sizes.items())
-                first, size = next(iter(sizes.items()))
-                example = f"{first}={size // 2},{missing[0]}=2" if size % 2 == 0 else f"{shown},{missing[0]}=..."
-                raise PlanError(
-                    f"{source} uses mesh axis {missing[0]!r}, but the mesh has only {shown}; add the axis to the "
-                    f"mesh (e.g. {example}) or drop that part of the plan"
-                )
+        check_axes(self.axes_by_source(), sizes_of(mesh))
 
     # -- resolution ---------------------------------------------------------------------------------------
     def resolve(
@@ -248,6 +210,7 @@ class Plan:
         training state ``tree`` is ("params", "grads" or "optimizer"; default "optimizer" with ``params=``,
         else "params"): ZeRO-1/2 parts split only the optimizer state and gradients.
 
+        >>> import numpy as np
         >>> Plan.from_rules([("w", ("data",))]).resolve({"w": np.zeros(8)}, {"data": 4}).leaves[0].bytes_per_device
         16
         """
@@ -258,6 +221,7 @@ class Plan:
     ) -> Any:
         """A PartitionSpec for every array of ``tree``, in the tree's structure (see :meth:`resolve`).
 
+        >>> import numpy as np
         >>> Plan().specs({"w": np.zeros(3)})
         {'w': P(None,)}
         """
@@ -266,7 +230,7 @@ class Plan:
     def shardings(self, tree: Any, mesh: Mesh, *, params: Any = None, role: str | None = None) -> Any:
         """A NamedSharding for every array of ``tree``, in the tree's structure (see :meth:`resolve`).
 
-        >>> import spmd
+        >>> import spmd, numpy as np
         >>> mesh = spmd.make_mesh({"data": -1})
         >>> spmd.Plan().shardings({"w": np.zeros(3)}, mesh)["w"].spec
         P(None,)
@@ -286,24 +250,13 @@ class Plan:
     def batch_shardings(self, batch: Any, mesh: Mesh) -> Any:
         """A NamedSharding per batch array (see :meth:`batch_spec`), checking the batch size divides.
 
-        >>> import spmd
+        >>> import spmd, numpy as np
         >>> mesh = spmd.make_mesh({"data": -1})
         >>> Plan(batch_axes=("data",)).batch_shardings({"x": np.zeros((8, 2))}, mesh)["x"].spec
         P('data', None)
         """
         self.check_mesh(mesh)
-        ways = math.prod(mesh.shape[a] for a in self.batch_axes)
-
-        def one(x: Any) -> NamedSharding:
-            shape = tuple(getattr(x, "shape", np.shape(x)))
-            if not shape or shape[0] % ways:
-                raise PlanError(
-                    f"batch of shape {shape} cannot be split over batch axes {self.batch_axes} ({ways} ways); "
-                    f"make the batch size a multiple of {ways}"
-                )
-            return NamedSharding(mesh, self.batch_spec(len(shape)))
-
-        return jax.tree.map(one, batch)
+        return batch_shardings(batch, mesh, self.batch_axes, self.batch_spec)
 
     def logical_rules(self) -> list[tuple[str, tuple[str, ...]]]:
         """Every logical rule of the plan in order, ``batch`` (its batch axes) first.
@@ -330,13 +283,4 @@ class Plan:
         >>> Plan(batch_axes=("data",)).activation_spec(("batch", "embed"), (8, 4), {"data": 2})
         P('data', None)
         """
-        sizes = sizes_of(mesh)
-        entries = assign_by_rules(logical, self.logical_rules())
-        for dim, axes in enumerate(entries):
-            ways = math.prod(sizes[a] for a in axes)
-            if axes and shape[dim] % ways:
-                raise PlanError(
-                    f"spmd.constrain: activation dimension {dim} ({logical[dim]!r}) of shape {shape} has size "
-                    f"{shape[dim]}, not divisible by mesh axes {axes} ({ways} ways); change the sizes or the rules"
-                )
-        return to_spec(entries)
+        return activation_spec(self.logical_rules(), logical, shape, sizes_of(mesh))

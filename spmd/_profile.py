@@ -39,7 +39,12 @@ def parse_bytes(text: str, flag: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Device:
     """One device: ``speed`` is its throughput relative to the others (e.g. its FLOP/s); ``memory`` in bytes
-    (None: not limiting); ``bandwidth`` per mesh axis in bytes/s (missing axes: the hardware's defaults)."""
+    (None: not limiting); ``bandwidth`` per mesh axis in bytes/s (missing axes: the hardware's defaults).
+
+    >>> fast = Device(kind="h100", speed=3, memory=parse_bytes("80GiB", "memory"), bandwidth=(("data", 4.5e11),))
+    >>> Profile((fast, Device(kind="a100"))).ideal_speedup()  # (3 + 1) / (2 · 1)
+    2.0
+    """
 
     kind: str = "device"
     speed: float = 1.0
@@ -173,7 +178,13 @@ class Profile:
 def measure(devices: Sequence[Any] | None = None, *, size: int = 1024, repeats: int = 5) -> Profile:
     """A profile of the devices present: each device's speed is the TFLOP/s of a ``size × size`` float32 matmul
     on it (median of ``repeats``), its memory what the runtime reports, and its bandwidth the ring bandwidth of
-    an all-reduce over all the devices, recorded under the axis name ``"all"``."""
+    an all-reduce over all the devices, recorded under the axis name ``"all"``.
+
+    >>> import jax
+    >>> p = measure(jax.devices("cpu")[:2], size=64, repeats=1)  # tiny: a smoke run, not a benchmark
+    >>> len(p.devices), all(s > 0 for s in p.speeds), [name for name, _ in p.devices[0].bandwidth]
+    (2, True, ['all'])
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -9,19 +9,21 @@ import gc
 import math
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jax.sharding import Mesh
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._layout import Layout, LeafLayout, row
-from spmd._rules import ROLES, Part, PlanError, entry, quote
+from spmd._rules import ROLES, Part, PlanError, assign_by_rules, entry, quote, to_spec
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
 
-__all__ = ["PlanWarning", "resolve", "sizes_of"]
+__all__ = ["PlanWarning", "activation_spec", "batch_shardings", "check_axes", "resolve", "sizes_of"]
 
 
 class PlanWarning(UserWarning):
@@ -43,6 +45,27 @@ def sizes_of(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
     {'data': 2}
     """
     return dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+
+
+def check_axes(axes_by_source: Mapping[str, set[str]], sizes: Mapping[str, int]) -> None:
+    """Raises if a part (by source) uses a mesh axis the mesh lacks, with a mesh that would have it.
+
+    >>> try:
+    ...     check_axes({"tensor_parallel": {"tensor"}}, {"data": 8})
+    ... except PlanError as e:
+    ...     print(e)
+    tensor_parallel uses mesh axis 'tensor', but the mesh has only data=8; add the axis to the mesh (e.g. data=4,tensor=2) or drop that part of the plan
+    """  # noqa: E501
+    for source, axes in axes_by_source.items():
+        missing = sorted(axes - set(sizes))
+        if missing:
+            shown = ",".join(f"{k}={v}" for k, v in sizes.items())
+            first, size = next(iter(sizes.items()))
+            example = f"{first}={size // 2},{missing[0]}=2" if size % 2 == 0 else f"{shown},{missing[0]}=..."
+            raise PlanError(
+                f"{source} uses mesh axis {missing[0]!r}, but the mesh has only {shown}; add the axis to the "
+                f"mesh (e.g. {example}) or drop that part of the plan"
+            )
 
 
 def resolve(plan: Plan, tree: Any, mesh: Mesh | Mapping[str, int] | None, *, params: Any, role: str | None) -> Layout:
@@ -233,3 +256,39 @@ def _find_mirror(leaf: Leaf, mirror: dict[tuple[str, ...], LeafLayout]) -> LeafL
         if twin is not None and twin.stored_shape == leaf.shape:
             return twin
     return None
+
+
+def batch_shardings(batch: Any, mesh: Mesh, batch_axes: tuple[str, ...], spec: Callable[[int], PartitionSpec]) -> Any:
+    """A NamedSharding per batch array (``spec(ndim)``), checking the batch size divides over ``batch_axes``
+    (see :meth:`spmd.Plan.batch_shardings`)."""
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
+
+    def one(x: Any) -> NamedSharding:
+        shape = tuple(getattr(x, "shape", np.shape(x)))
+        if not shape or shape[0] % ways:
+            raise PlanError(
+                f"batch of shape {shape} cannot be split over batch axes {batch_axes} ({ways} ways); "
+                f"make the batch size a multiple of {ways}"
+            )
+        return NamedSharding(mesh, spec(len(shape)))
+
+    return jax.tree.map(one, batch)
+
+
+def activation_spec(
+    rules: Sequence[tuple[str, tuple[str, ...]]],
+    logical: tuple[str | None, ...],
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+) -> PartitionSpec:
+    """The layout of an activation named by logical axes under ordered logical ``rules`` (see
+    :meth:`spmd.Plan.activation_spec`)."""
+    entries = assign_by_rules(logical, rules)
+    for dim, axes in enumerate(entries):
+        ways = math.prod(sizes[a] for a in axes)
+        if axes and shape[dim] % ways:
+            raise PlanError(
+                f"spmd.constrain: activation dimension {dim} ({logical[dim]!r}) of shape {shape} has size "
+                f"{shape[dim]}, not divisible by mesh axes {axes} ({ways} ways); change the sizes or the rules"
+            )
+    return to_spec(entries)

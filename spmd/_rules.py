@@ -166,6 +166,28 @@ class PathRules:
     roles: ClassVar[tuple[str, ...]] = ROLES
     after_rules: ClassVar[bool] = False
 
+    @classmethod
+    def parse(
+        cls, rules: Sequence[tuple[str, Any]], source: str = "rules", *, only_unannotated: bool = False,
+        report_unused: bool = True,
+    ) -> PathRules:  # fmt: skip
+        """Path rules from ``(regex, spec)`` pairs, checked (see :meth:`spmd.Plan.from_rules`).
+
+        >>> PathRules.parse([("kernel$", (None, "tensor"))]).rules
+        (('kernel$', ((), ('tensor',))),)
+        """
+        checked = []
+        for item in rules:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+                raise PlanError(f"Plan.from_rules: each rule is (regex, spec); got {item!r}")
+            pattern, spec = item
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise PlanError(f"Plan.from_rules: rule regex {pattern!r} does not compile: {e}") from None
+            checked.append((pattern, as_entries(spec, f"Plan.from_rules rule {pattern!r}")))
+        return cls(tuple(checked), source, only_unannotated=only_unannotated, report_unused=report_unused)
+
     def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None:
         if self.only_unannotated and leaf.names is not None:
             return None
@@ -212,6 +234,21 @@ class LogicalRules:
     report_unused: bool = True
     roles: ClassVar[tuple[str, ...]] = ROLES
     after_rules: ClassVar[bool] = False
+
+    @classmethod
+    def parse(cls, rules: Sequence[tuple[str, Any]], source: str = "logical rules") -> LogicalRules:
+        """Logical rules from ``(logical_name, mesh_axes)`` pairs, checked (see
+        :meth:`spmd.Plan.from_logical_rules`).
+
+        >>> LogicalRules.parse([("mlp", "tensor")]).rules
+        (('mlp', ('tensor',)),)
+        """
+        checked = []
+        for item in rules:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+                raise PlanError(f"Plan.from_logical_rules: each rule is (logical_name, mesh_axes); got {item!r}")
+            checked.append((item[0], entry(item[1], f"Plan.from_logical_rules rule {item[0]!r}")))
+        return cls(tuple(checked), source=source)
 
     def propose(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int] | None) -> Proposal | None:
         if leaf.names is None:

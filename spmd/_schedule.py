@@ -38,7 +38,14 @@ KINDS = ("F", "B", "W", "BW")
 
 
 class ScheduleError(ValueError):
-    """A schedule that cannot run; the message names the device, the position and the action."""
+    """A schedule that cannot run; the message names the device, the position and the action.
+
+    >>> try:
+    ...     validate(Schedule("mine", 1, (("BW0", "F0"),)))
+    ... except ValueError as e:  # a ScheduleError is a ValueError
+    ...     print(type(e).__name__, e)
+    ScheduleError schedule mine: device 0, position 0: BW(microbatch 0, chunk 0) comes before its F (position 1)
+    """
 
 
 class Action(NamedTuple):
@@ -309,7 +316,13 @@ class Costs:
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """A simulated schedule: per device, each action's start and end (exact fractions), and what follows."""
+    """A simulated schedule: per device, each action's start and end (exact fractions), and what follows.
+
+    >>> import strategies
+    >>> t = simulate(strategies.pipeline_schedule("gpipe", stages=2, microbatches=2))
+    >>> t.makespan, t.busy, t.bubble_fraction  # device 0 waits 3 of its 9 units for device 1's backward
+    (Fraction(9, 1), (Fraction(6, 1), Fraction(6, 1)), Fraction(1, 3))
+    """
 
     schedule: Schedule
     costs: Costs

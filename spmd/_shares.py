@@ -10,7 +10,7 @@ whole batch's mean loss, whatever the split.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from spmd._executor import Executor, Task
-from spmd._specs import Shares
+
+if TYPE_CHECKING:
+    from spmd._specs import Shares
 
 __all__ = ["UnevenData", "uneven_executor"]
 
@@ -27,6 +29,7 @@ class UnevenData:
     """Loss and gradients of a batch split over ``spec.axis`` by ``spec.shares``.
 
     >>> import spmd, jax, jax.numpy as jnp
+    >>> from spmd.execution import Shares
     >>> mesh = spmd.make_mesh({"data": -1})
     >>> shares = Shares("data", (3,) + (1,) * (mesh.size - 1))
     >>> engine = UnevenData(lambda p, b: jnp.mean(b["x"] * p), shares, mesh)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,11 @@ from spmd import axes as names
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
 from spmd._rules import PlanError
-from spmd._specs import SubnetSpec
 from spmd._tree import is_box, key_name
 from spmd.costmodel import Contribution, Workload, subnet_traffic
+
+if TYPE_CHECKING:
+    from spmd._specs import SubnetSpec
 
 __all__ = ["Ownership", "Subnetworks", "ownership", "subnet_executor"]
 
@@ -47,7 +49,13 @@ __all__ = ["Ownership", "Subnetworks", "ownership", "subnet_executor"]
 @dataclasses.dataclass(frozen=True)
 class Ownership:
     """Who owns what: ``part_of[w]`` is worker ``w``'s part; ``index[name][g]`` the groups part ``g`` owns along
-    the logical dimension ``name`` (``[k]`` for blocks, ``[layers, k]`` for neurons), ascending."""
+    the logical dimension ``name`` (``[k]`` for blocks, ``[layers, k]`` for neurons), ascending.
+
+    >>> import numpy as np
+    >>> o = Ownership(workers=4, parts=2, part_of=(0, 1, 1, 0), index={"layers": np.array([[0, 2], [1, 3]])})
+    >>> o.owner_groups, o.mask("layers").astype(int).tolist()  # part 0 (workers 0, 3) owns blocks 0 and 2
+    ([[0, 3], [1, 2]], [[1, 0, 1, 0], [0, 1, 0, 1], [0, 1, 0, 1], [1, 0, 1, 0]])
+    """
 
     workers: int
     parts: int
@@ -72,6 +80,7 @@ def ownership(spec: SubnetSpec, workers: int, sizes: Mapping[str, int], layers: 
     """The balanced ownership of groups of the given ``sizes`` (``{"layers": L}`` for blocks, ``{"mlp": U,
     "heads": H}`` for neurons, in each of ``layers``) among ``workers``: a pure function of ``spec.seed``.
 
+    >>> from spmd.execution import SubnetSpec
     >>> o = ownership(SubnetSpec(coverage=0.5), 4, {"layers": 4}, 4)
     >>> o.owner_groups, o.mask("layers").sum(axis=0).tolist()  # every block owned by 2 workers
     ([[1, 2], [0, 3]], [2, 2, 2, 2])
@@ -115,7 +124,7 @@ class Subnetworks:
     >>> from spmd import models
     >>> model = models.get("gpt-tiny", layers=4)
     >>> params = jax.eval_shape(model.init, jax.random.key(0))
-    >>> engine = Subnetworks(SubnetSpec(coverage=0.5), spmd.make_mesh({"data": -1}), None, None, params)
+    >>> engine = Subnetworks(spmd.execution.SubnetSpec(coverage=0.5), spmd.make_mesh({"data": -1}), None, None, params)
     >>> engine.sizes, engine.kept
     ({'layers': 4}, {'layers': 2})
     """
@@ -380,6 +389,8 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
             "narrow=lambda kept: loss of the model narrowed to kept (spmd.models.narrowed does it for the "
             "built-in GPTs), or use masking='backward'"
         )
+    if spec.masking == "forward":
+        task.narrow({})  # narrowed to nothing: the whole model; says first if the model cannot be narrowed at all
     engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params)
     report = {"costs": engine.costs, "summary": engine.summary, "engine": engine}
     if spec.masking == "forward":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +14,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmd._context import activate
 from spmd._executor import Executor, Task, plain
 from spmd._layout import StateLayout, pad, resolve_state, unpad
-from spmd._pipeline import StagedModel
 from spmd._plan import Plan
 from spmd._rules import PlanError
 from spmd._tree import unbox
+
+if TYPE_CHECKING:
+    from spmd._pipeline import StagedModel
 
 __all__ = ["TrainState", "TrainStep", "place", "shard"]
 

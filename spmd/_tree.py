@@ -14,7 +14,12 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One array of a tree, seen abstractly: where it is, its shape and dtype, and its logical names."""
+    """One array of a tree, seen abstractly: where it is, its shape and dtype, and its logical names.
+
+    >>> leaf = Leaf(("mlp", "wi", "kernel"), (8, 32), "float32", 1024, ("embed", "mlp"))
+    >>> leaf.path  # what path rules match against
+    'mlp/wi/kernel'
+    """
 
     keys: tuple[str, ...]
     shape: tuple[int, ...]
@@ -62,7 +67,13 @@ def _value(x: Any) -> Any:
 
 
 def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
-    """Flattens ``tree`` (boxes count as leaves) into :class:`Leaf` records and the treedef to rebuild it."""
+    """Flattens ``tree`` (boxes count as leaves) into :class:`Leaf` records and the treedef to rebuild it.
+
+    >>> w = nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))
+    >>> leaves, treedef = leaves_with_paths({"mlp": {"w": w}, "b": np.zeros(4, np.float32)})
+    >>> [(leaf.path, leaf.shape, leaf.nbytes, leaf.names) for leaf in leaves]
+    [('b', (4,), 16, None), ('mlp/w', (8, 32), 1024, ('embed', 'mlp'))]
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)
     leaves = []
     for path, x in flat:

@@ -16,6 +16,14 @@ all-to-all (N−1)/N·S of the full buffer S.
   Experts split over an axis send their tokens there and back by all-to-all.
 - Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more with remat, plus attention's
   score and value products; split over the devices that share the work.
+
+>>> import jax, optax, spmd
+>>> from spmd import costmodel
+>>> params, workload = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}, costmodel.Workload(batch=8, seq_len=16)
+>>> e = costmodel.estimate(spmd.Plan(batch_axes=("data",)), params, {"data": 8}, workload, optimizer=optax.sgd(0.1),
+...                        hardware=costmodel.HARDWARE["h100"])
+>>> [(t.kind, t.traffic_bytes) for t in e.traffic]  # the 256 KiB gradient's ring all-reduce: 2 · 7/8 of it
+[('all-reduce', 458752.0)]
 """
 
 from __future__ import annotations
@@ -102,7 +110,11 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Traffic:
-    """Analytic traffic of one kind of collective over one group of mesh axes, per step and per device."""
+    """Analytic traffic of one kind of collective over one group of mesh axes, per step and per device.
+
+    >>> Traffic("all-reduce", ("data",), bytes=1024, traffic_bytes=2 * 7 / 8 * 1024).to_dict()  # ring over 8
+    {'kind': 'all-reduce', 'axes': ['data'], 'count': 1, 'bytes': 1024, 'traffic_bytes': 1792}
+    """
 
     kind: str
     axes: tuple[str, ...]
@@ -146,7 +158,13 @@ class _Totals:
 
 
 def model_state_bytes(layout: StateLayout) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients and optimizer state, from a :class:`spmd.StateLayout`."""
+    """Per-device bytes of parameters, gradients and optimizer state, from a :class:`spmd.StateLayout`.
+
+    >>> import jax, optax, spmd
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
+    >>> model_state_bytes(spmd.resolve_state(spmd.Plan(), params, optax.adam(1e-3), {"data": 8}))  # 2 moments + count
+    {'params': 262144, 'grads': 262144, 'optimizer': 524292, 'total': 1048580}
+    """
     params = sum(r.bytes_per_device for r in layout.params.leaves)
     grads = sum(r.bytes_per_device for r in layout.grads.leaves)
     optimizer = sum(r.bytes_per_device for r in layout.opt_state.leaves)
@@ -298,6 +316,13 @@ class Matmul:
 
     ``tokens`` is how many rows it multiplies per device per layer; ``experts`` the size of a leading expert
     dimension (a batch of independent matmuls), else 0.
+
+    >>> import strategies, numpy as np
+    >>> from flax import linen as nn
+    >>> wi = nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))
+    >>> m, = matmuls(strategies.tensor_parallel(axis="tensor").resolve({"wi": {"kernel": wi}}, {"tensor": 4}).leaves)
+    >>> m.parent, m.in_dims, m.out_dims, m.local(m.out_dims, {"tensor"}, {"tensor": 4})  # 32 outputs over 4
+    ('wi', (0,), (1,), 8)
     """
 
     row: LeafLayout
@@ -393,6 +418,17 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
     all-gather of the same buffer, and the parameters not split over those axes all-reduce their gradients over
     them. Expert weights split over an axis move T × embed per MoE layer there and back by all-to-all, in the
     forward and the backward pass.
+
+    >>> import spmd, strategies, optax, numpy as np
+    >>> from flax import linen as nn
+    >>> mlp = {"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))},
+    ...        "wo": {"kernel": nn.LogicallyPartitioned(np.zeros((32, 8), np.float32), ("mlp", "embed"))}}
+    >>> plan = strategies.tensor_parallel(axis="tensor")
+    >>> layout = spmd.resolve_state(plan, mlp, optax.sgd(0.1), {"tensor": 4})
+    >>> [(t.kind, t.axes, t.count) for t in activation_traffic(layout, plan, {"tensor": 4}, Workload(4, 16))]
+    [('all-reduce', ('tensor',), 2)]
+
+    Megatron's pair: ``wo``'s output is all-reduced forward, ``wi``'s input gradient backward.
     """
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
@@ -438,7 +474,19 @@ def traffic(
     stage_uses: tuple[float, float] | None = None,
 ) -> list[Traffic]:
     """All the traffic the model expects per step: :func:`data_parallel_traffic` plus, given a workload,
-    :func:`activation_traffic`; one entry per (kind, axes), largest first."""
+    :func:`activation_traffic`; one entry per (kind, axes), largest first.
+
+    >>> import spmd, strategies, optax, numpy as np
+    >>> from flax import linen as nn
+    >>> mlp = {"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))},
+    ...        "wo": {"kernel": nn.LogicallyPartitioned(np.zeros((32, 8), np.float32), ("mlp", "embed"))}}
+    >>> plan, sizes = strategies.data_parallel() + strategies.tensor_parallel(axis="tensor"), {"data": 2, "tensor": 4}
+    >>> layout = spmd.resolve_state(plan, mlp, optax.sgd(0.1), sizes)
+    >>> [t.axes for t in traffic(layout, plan, sizes, Workload(4, 16))]  # activations too, given a workload
+    [('tensor',), ('data',)]
+    >>> [t.axes for t in traffic(layout, plan, sizes, None)]
+    [('data',)]
+    """
     parts = data_parallel_traffic(layout, plan, mesh_shape, stage_uses=stage_uses)
     if workload is not None:
         parts += activation_traffic(layout, plan, mesh_shape, workload)
@@ -446,7 +494,11 @@ def traffic(
 
 
 def merge_traffic(parts: Iterable[Traffic]) -> list[Traffic]:
-    """One entry per (kind, axes), largest first."""
+    """One entry per (kind, axes), largest first.
+
+    >>> merge_traffic([Traffic("all-reduce", ("data",), 100, 175), Traffic("all-reduce", ("data",), 100, 175)])
+    [Traffic(kind='all-reduce', axes=('data',), bytes=200, traffic_bytes=350, count=2)]
+    """
     merged: dict[tuple[str, tuple[str, ...]], Traffic] = {}
     for t in parts:
         old = merged.get((t.kind, t.axes))
@@ -506,7 +558,14 @@ def pipeline_tick_bytes(
     """What one device holds while a pipeline tick differentiates one chunk for one microbatch: the chunk's
     activations, all of them (its vjp keeps them; remat does not reach inside a tick), and its layers'
     FSDP-gathered weights with their gradient. ``params``: the stored rows (``[stage, chunk, layer, ...]``
-    for the stacked layers); ``virtual``: chunks per device."""
+    for the stacked layers); ``virtual``: chunks per device.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> rows = spmd.Plan().resolve({"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32)), ("embed", "mlp"))}})
+    >>> pipeline_tick_bytes(rows.leaves, spmd.Plan(), {}, Workload(1, 16), virtual=2)  # activation_bytes / 2 chunks
+    1280.0
+    """
     params = list(params)
     acts = activation_bytes(params, dataclasses.replace(plan, remat=False), mesh_shape, microbatch)
     batch = set(plan.batch_axes)
@@ -528,6 +587,12 @@ def activation_bytes(
     counted once) and output, plus attention's probabilities; the logits three times (with their softmax and
     its gradient). Under ``plan.remat`` only each layer's input is
     kept (the residual, split like it) and one layer's activations are live again while it is recomputed.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> rows = spmd.Plan().resolve({"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32)), ("embed", "mlp"))}})
+    >>> activation_bytes(rows.leaves, spmd.Plan(), {}, Workload(1, 16))  # (16 · 32 outputs + 16 · 8 inputs) · 4
+    2560.0
     """
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
@@ -566,7 +631,11 @@ def activation_bytes(
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    """A modelled training step: compute at the device's sustained rate, then communication (no overlap)."""
+    """A modelled training step: compute at the device's sustained rate, then communication (no overlap).
+
+    >>> StepTime(compute_s=2.0, comm_s=0.5, hardware="h100").total_s
+    2.5
+    """
 
     compute_s: float
     comm_s: float
@@ -677,7 +746,14 @@ class Estimate:
 
 def padding_bytes(layout: StateLayout) -> int:
     """Bytes per device that block-aligned sharding adds: each padded parameter's padding, once for the
-    parameter, once for its gradient and once per optimizer moment mirroring it."""
+    parameter, once for its gradient and once per optimizer moment mirroring it.
+
+    >>> import jax, optax, spmd, strategies
+    >>> plan, w = strategies.fsdp(axis="data", min_bytes=0, block=8), jax.ShapeDtypeStruct((4, 16), "float32")
+    >>> layout = spmd.resolve_state(plan, {"w": w}, optax.adam(1e-3), {"data": 4})  # 16 columns padded to 32
+    >>> padding_bytes(layout)  # 64 bytes per device, for the parameter, its gradient and Adam's 2 moments
+    256
+    """
     total = 0
     for p in layout.params.leaves:
         if p.padded_shape is None:
@@ -736,13 +812,24 @@ def estimate(
 ) -> Estimate:
     """The cost model's view of ``plan`` (plain SPMD execution) for abstract (annotated) ``params`` on mesh sizes
     alone: model state, activations, traffic, FLOPs and a step time on ``hardware`` (see :class:`Estimate`).
+
+    >>> import jax, optax, spmd
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
+    >>> e = estimate(spmd.Plan(batch_axes=("data",)), params, {"data": 8}, Workload(batch=8, seq_len=16),
+    ...              optimizer=optax.sgd(0.1), hardware=HARDWARE["h100"])
+    >>> e.per_device_bytes["params"], e.flops  # 6 FLOPs · 16 tokens per device · 256 · 256
+    (262144, 6291456.0)
     """
     plan.check_mesh(mesh_shape)
     return estimate_layout(resolve_state(plan, params, optimizer, mesh_shape), plan, mesh_shape, workload, hardware)
 
 
 def compare(compiled: float, analytic: float) -> str | None:
-    """A flag when compiled and analytic figures differ by more than :data:`TOLERANCE`, else None."""
+    """A flag when compiled and analytic figures differ by more than :data:`TOLERANCE`, else None.
+
+    >>> compare(105, 100) is None, compare(150, 100)
+    (True, 'compiled is 1.50× the analytic figure: ...')
+    """
     if analytic == 0:
         return None if compiled == 0 else "the compiler communicates where the model expects nothing"
     ratio = compiled / analytic

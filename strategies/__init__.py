@@ -4,6 +4,11 @@
 strategies the cost model chooses for a given model and hardware (``tp2d``'s axis roles, ``osdp``'s per-parameter
 choice): they need a :class:`Context` and are applied last, on top of the rest of the composition. ``pp`` (pipeline
 parallelism over the ``stage`` axis) needs the mesh, for its number of stages, and :class:`PipelineOptions`.
+
+>>> import strategies
+>>> plan = strategies.data_parallel() + strategies.tensor_parallel(axis="tensor")
+>>> plan.describe(), plan == strategies.from_names("dp+tp")  # the CLI's --strategy dp+tp
+('batch over data; tensor_parallel', True)
 """
 
 from __future__ import annotations
@@ -100,7 +105,12 @@ def _osdp(base: Plan, mesh_axes: Mapping[str, int], ctx: Context) -> Plan:
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """How ``pp`` pipelines: the schedule's name (see :data:`SCHEDULES`) or a table, the number of
-    microbatches (default: twice the stages), chunks per device, and layers per global stage (default even)."""
+    microbatches (default: twice the stages), chunks per device, and layers per global stage (default even).
+
+    >>> options = PipelineOptions("interleaved", microbatches=4, virtual=2)
+    >>> from_names("pp", {"stage": 2}, pipeline_options=options).execution.describe()
+    'pipeline interleaved over stage (2 stages, 4 microbatches, 2 chunks per device)'
+    """
 
     schedule: Any = "1f1b"
     microbatches: int | None = None
@@ -113,7 +123,11 @@ PIPELINE_AXIS = "stage"
 
 @dataclasses.dataclass(frozen=True)
 class SubnetOptions:
-    """How ``sdp`` cuts the model (see :func:`subnetwork_dp`)."""
+    """How ``sdp`` cuts the model (see :func:`subnetwork_dp`).
+
+    >>> from_names("sdp", {"data": 4}, subnet_options=SubnetOptions(coverage=0.25)).execution.describe()
+    'subnetworks over data (coverage 0.25, block, forward masking)'
+    """
 
     coverage: float = 0.5
     granularity: str = "block"

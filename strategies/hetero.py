@@ -14,6 +14,11 @@ Pure functions of a :class:`spmd.Profile` and the mesh sizes:
   data parallelism;
 - :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
   :func:`summary` puts them together for a plan.
+
+>>> from spmd.devices import Profile
+>>> from strategies import hetero
+>>> hetero.batch_shares(24, Profile.from_speeds([3, 1, 1, 1]), {"data": 4})  # the device 3× as fast takes half
+(12, 4, 4, 4)
 """
 
 from __future__ import annotations
@@ -95,7 +100,13 @@ def proportional_split(
 
 
 def rank_speeds(profile: Profile, mesh_axes: Mapping[str, int], axis: str) -> tuple[float, ...]:
-    """The speed of each position along ``axis``: the slowest of the devices sharing it (they run in step)."""
+    """The speed of each position along ``axis``: the slowest of the devices sharing it (they run in step).
+
+    >>> rank_speeds(Profile.from_speeds([3, 3, 1, 1]), {"data": 2, "tensor": 2}, "data")
+    (3.0, 1.0)
+    >>> rank_speeds(Profile.from_speeds([3, 1, 3, 1]), {"data": 2, "tensor": 2}, "data")  # each pairs 3 with 1
+    (1.0, 1.0)
+    """
     speeds = np.array(profile.speeds).reshape(tuple(mesh_axes.values()))
     position = list(mesh_axes).index(axis)
     return tuple(float(x) for x in np.moveaxis(speeds, position, 0).reshape(mesh_axes[axis], -1).min(axis=1))
@@ -242,6 +253,11 @@ def summary(
 
     ``flops_per_device`` and ``modelled`` are the cost model's figures for the plan at the fastest device's speed
     (``spmd.report`` or ``costmodel.estimate``); a device's speed scales its compute.
+
+    >>> plan, profile = uneven_data_parallel((12, 4, 4, 4)), Profile.from_speeds([3, 1, 1, 1])
+    >>> s = summary(plan, {"data": 4}, profile, 24, 1e9, StepTime(compute_s=1.0, comm_s=0.0, hardware="cpu"))
+    >>> s["batch_shares"], s["simulated_step_time"], s["simulated_speedup"]  # the slow devices bound the even split
+    ([12, 4, 4, 4], {'even': 3.0, 'hetero': 2.0}, 1.5)
     """
     rate = flops_per_device / max(modelled.compute_s, 1e-30)  # FLOP/s the cost model gives the fastest device
     out: dict[str, Any] = {}

@@ -8,6 +8,7 @@ from typing import Any
 
 import spmd
 from spmd import Plan, PlanError, costmodel, format_bytes
+from spmd import axes as A
 from strategies.data_parallel import data_parallel
 from strategies.fsdp import fsdp
 
@@ -60,22 +61,7 @@ def osdp(
             f"tensor parallelism"
         )
     before = spmd.resolve_state(plan, params, optimizer, mesh_axes)
-    after = spmd.resolve_state(full, params, optimizer, mesh_axes)
-    bandwidth, latency = hardware.link((axis,), mesh_axes)
-    n = mesh_axes[axis]
-    options = []
-    for old, new in zip(before.params.leaves, after.params.leaves, strict=True):
-        if old.bytes_per_device == new.bytes_per_device:
-            continue  # not split by the fsdp part (too small, or no divisible dimension)
-        suffix = "/" + old.path.split("/", 1)[-1]
-        mirrors = sum(1 for r in after.opt_state.leaves if r.shape == old.shape and r.path.endswith(suffix))
-        saved = (old.bytes_per_device - new.bytes_per_device) * (2 + mirrors)
-        lookup = old.path.endswith("embedding")
-        gathers = 1 if lookup else 2  # the layers are rematerialised, so weights are gathered twice
-        layers = old.shape[0] if old.names and old.names[0] == "layers" else 1
-        extra = (gathers - 1) * (n - 1) / n * old.bytes / bandwidth + gathers * layers * latency
-        options.append((extra / saved, saved, extra, old.path))
-    options.sort()
+    options = _priced(before, spmd.resolve_state(full, params, optimizer, mesh_axes), hardware, mesh_axes, axis)
     # The remat that FSDP turns on shrinks the activations too, so start from the replicated plan with remat.
     need = (
         costmodel.estimate(
@@ -100,3 +86,29 @@ def osdp(
         f"{hardware.name}; the rest stay replicated"
     )
     return dataclasses.replace(result, notes=result.notes + (note,))
+
+
+def _priced(
+    before: spmd.StateLayout,
+    after: spmd.StateLayout,
+    hardware: costmodel.Hardware,
+    mesh_axes: Mapping[str, int],
+    axis: str,
+) -> list[tuple[float, int, float, str]]:
+    """Every array the fsdp part splits, cheapest first: (extra seconds per byte saved, bytes saved, extra
+    seconds, path)."""
+    bandwidth, latency = hardware.link((axis,), mesh_axes)
+    n = mesh_axes[axis]
+    options = []
+    for old, new in zip(before.params.leaves, after.params.leaves, strict=True):
+        if old.bytes_per_device == new.bytes_per_device:
+            continue  # not split by the fsdp part (too small, or no divisible dimension)
+        suffix = "/" + old.path.split("/", 1)[-1]
+        mirrors = sum(1 for r in after.opt_state.leaves if r.shape == old.shape and r.path.endswith(suffix))
+        saved = (old.bytes_per_device - new.bytes_per_device) * (2 + mirrors)
+        lookup = old.path.endswith("embedding")
+        gathers = 1 if lookup else 2  # the layers are rematerialised, so weights are gathered twice
+        layers = old.shape[0] if old.names and old.names[0] == A.LAYERS else 1
+        extra = (gathers - 1) * (n - 1) / n * old.bytes / bandwidth + gathers * layers * latency
+        options.append((extra / saved, saved, extra, old.path))
+    return sorted(options)

@@ -3,6 +3,15 @@
 Everything before confirmation is analytic (:func:`spmd.costmodel.estimate` on abstract parameters and mesh
 sizes), so a laptop can plan for 64 devices; confirmation compiles the best few on the devices present (emulated
 CPU devices will do) and reads their real memory and collectives.
+
+>>> import jax, optax
+>>> from spmd import costmodel
+>>> from strategies import suggest
+>>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}  # 4 MiB; with Adam's state 16 MiB
+>>> ranked, _ = suggest.rank(params, costmodel.Workload(8, 16), costmodel.HARDWARE["h100"], devices=4,
+...                          memory_per_device=8 << 20, optimizer=optax.adam(1e-3), max_tensor=1)
+>>> suggest.pick(ranked, 8 << 20)[1]
+'zero3 on data=4: the fastest modelled step ... plain data parallelism needs 20.25 MiB'
 """
 
 from __future__ import annotations
@@ -21,7 +30,17 @@ _DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     """One candidate: a mesh, a ``--strategy`` composition, what the cost model expects, and (once confirmed)
-    what the compiler made of it."""
+    what the compiler made of it.
+
+    >>> import jax, optax
+    >>> from spmd import costmodel
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}  # 4 MiB; with Adam's state 16 MiB
+    >>> ranked, skipped = rank(params, costmodel.Workload(8, 16), costmodel.HARDWARE["h100"], devices=4,
+    ...                        memory_per_device=8 << 20, optimizer=optax.adam(1e-3), max_tensor=1)
+    >>> best = ranked[0]
+    >>> best.strategy, best.mesh, best.fits, best.confirmed  # modelled to fit; not compiled yet
+    ('zero3', {'data': 4}, True, None)
+    """
 
     mesh: dict[str, int]
     strategy: str
@@ -88,7 +107,16 @@ def rank(
     max_tensor: int = 8,
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
-    and one line per composition that could not be planned (a dimension no axis divides, a batch too small)."""
+    and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
+
+    >>> import jax, optax
+    >>> from spmd import costmodel
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}  # 4 MiB; with Adam's state 16 MiB
+    >>> ranked, skipped = rank(params, costmodel.Workload(8, 16), costmodel.HARDWARE["h100"], devices=4,
+    ...                        memory_per_device=8 << 20, optimizer=optax.adam(1e-3), max_tensor=1)
+    >>> [(s.strategy, s.fits) for s in ranked], skipped
+    ([('zero3', True), ('osdp', True), ('dp', False), ('zero2', False), ('zero1', False), ('dp+fsdp', False)], [])
+    """
     ctx = Context(params, workload, hardware, optimizer, memory_per_device)
     out, skipped = [], []
     for mesh, strategy in compositions(devices, max_tensor=max_tensor):
@@ -120,7 +148,19 @@ def confirm(
 ) -> list[Suggestion]:
     """Compiles fitting suggestions in rank order (``compile_report(mesh, plan)`` returns a
     :class:`spmd.Report`) until ``top`` of them are confirmed to fit by their compiled peak memory, or
-    ``max_compiles`` (default ``3 * top``) have been compiled; records the compiled memory and traffic."""
+    ``max_compiles`` (default ``3 * top``) have been compiled; records the compiled memory and traffic.
+
+    >>> import jax, optax
+    >>> from spmd import costmodel
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}  # 4 MiB; with Adam's state 16 MiB
+    >>> ranked, skipped = rank(params, costmodel.Workload(8, 16), costmodel.HARDWARE["h100"], devices=4,
+    ...                        memory_per_device=8 << 20, optimizer=optax.adam(1e-3), max_tensor=1)
+    >>> import types  # a stand-in for compiling: spmd.report of a TrainStep on that mesh and plan
+    >>> compiled = lambda mesh, plan: types.SimpleNamespace(compiled_memory={"peak_bytes": 1 << 20},
+    ...                                                     comm_bytes_per_step={"compiled": 0})
+    >>> [(s.strategy, s.confirmed) for s in confirm(ranked, compiled, memory_per_device=8 << 20, top=1)][:3]
+    [('zero3', True), ('osdp', None), ('dp', None)]
+    """
     budget = 3 * top if max_compiles is None else max_compiles
     fitted = compiled = 0
     out = []
@@ -140,7 +180,17 @@ def confirm(
 
 def pick(suggestions: list[Suggestion], memory_per_device: int) -> tuple[Suggestion | None, str]:
     """The fastest suggestion whose compiled program fits (else the fastest modelled to fit and not refuted by
-    its compile), and why."""
+    its compile), and why.
+
+    >>> import jax, optax
+    >>> from spmd import costmodel
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}  # 4 MiB; with Adam's state 16 MiB
+    >>> ranked, skipped = rank(params, costmodel.Workload(8, 16), costmodel.HARDWARE["h100"], devices=4,
+    ...                        memory_per_device=8 << 20, optimizer=optax.adam(1e-3), max_tensor=1)
+    >>> best, why = pick(ranked, 8 << 20)
+    >>> best.strategy, why
+    ('zero3', 'zero3 on data=4: the fastest modelled step ... of the plans modelled to fit 8.00 MiB; not confirmed ...')
+    """
     budget = format_bytes(memory_per_device)
     confirmed = [s for s in suggestions if s.confirmed]
     unrefuted = [s for s in suggestions if s.fits and s.confirmed is not False]

@@ -43,7 +43,12 @@ def zero2(*, axis: str = "data", min_bytes: int = 4096) -> Plan:
 
 def zero3(*, axis: str = "data", min_bytes: int = 4096) -> Plan:
     """ZeRO-3: parameters, gradients and optimizer state all split over ``axis``; the same as :func:`fsdp`
-    on the data axis (with layer rematerialisation)."""
+    on the data axis (with layer rematerialisation).
+
+    >>> import numpy as np
+    >>> zero3().specs({"w": np.zeros((64, 64), np.float32)}, {"data": 8})["w"], zero3() == fsdp(axis="data")
+    (P('data', None), True)
+    """
     return fsdp(axis=axis, min_bytes=min_bytes)
 
 

@@ -42,6 +42,8 @@ def test_plan_json_contract(plan_json):
         assert set(c["axes"]) <= {"data", "fsdp", "tensor"} and c["count"] >= 1
     # The tensor-parallel all-reduces of activations run over the tensor axis.
     assert any(c["kind"] == "all-reduce" and c["axes"] == ["tensor"] for c in plan_json["collectives"])
+    # A plain plan has no execution mode: no mode's figures either.
+    assert plan_json["execution"] is None and "pipeline" not in plan_json and "subnet" not in plan_json
 
 
 def test_run_check_json_matches_one_device(capsys):

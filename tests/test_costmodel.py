@@ -14,9 +14,9 @@ H100 = costmodel.HARDWARE["h100"]
 
 
 def _step(model, plan, mesh_axes, optimizer=None):
-    step = spmd.train_step(models.loss_fn(model), optimizer or optax.adam(1e-3), plan, spmd.make_mesh(mesh_axes))
-    step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
-    return step
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    mesh = spmd.make_mesh(mesh_axes)
+    return spmd.TrainStep(models.loss_fn(model), optimizer or optax.adam(1e-3), plan, mesh, params=params)
 
 
 def _batch(model):

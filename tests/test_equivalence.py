@@ -64,7 +64,8 @@ def _train(model, plan, mesh):
     # SGD with momentum: parameter differences are then the gradient differences times the step size, so a
     # wrong reduction shows plainly (Adam would magnify reduction-order noise in near-zero gradients instead;
     # the CLI's Adam runs are checked in test_cli). Momentum gives an optimizer state to lay out as well.
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
     state = step.init(model.init, jax.random.key(0))
     losses = []
     for i in range(STEPS):
@@ -148,7 +149,9 @@ def test_built_strategies_equal_single_device(reference, case):
     mesh_axes, build = BUILT[case]
     plan = build(mesh_axes)
     model = _model("linen")
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, spmd.make_mesh(mesh_axes))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    mesh = spmd.make_mesh(mesh_axes)
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
     state = step.init(model.init, jax.random.key(0))
     losses = []
     for i in range(STEPS):

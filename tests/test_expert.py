@@ -27,7 +27,8 @@ def _model():
 
 def _train(plan, mesh):
     model = _model()
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
     state = step.init(model.init, jax.random.key(0))
     losses = []
     for i in range(STEPS):
@@ -116,8 +117,9 @@ def test_composes_with_tensor_parallelism_without_gathering_the_batch():
     # ep+tp: expert kernels split over expert and their hidden dimension over tensor; tokens still travel by
     # all-to-all (unless dispatched group-major first, XLA gathers the whole batch onto every device here).
     model, mesh = _model(), spmd.make_mesh({"expert": 4, "tensor": 2})
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1), strategies.from_names("ep+tp"), mesh)
-    layout = step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1), strategies.from_names("ep+tp"), mesh, params=params)
+    layout = step.layout
     wi = next(row for row in layout.params.leaves if row.path == "params/layers/moe/wi")
     assert wi.spec == jax.sharding.PartitionSpec(None, "expert", None, "tensor")
     collectives = spmd.report(step, data.batch(0, 0, BATCH, 32, 256)).to_dict()["collectives"]

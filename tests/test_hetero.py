@@ -11,12 +11,13 @@ import pytest
 
 import spmd
 from spmd import costmodel, data, models
+from spmd.devices import Profile
 from strategies import hetero
 from tests.conftest import run_cli
 
 
 def test_acceptance_shares_follow_the_speeds():
-    shares = hetero.batch_shares(56, spmd.Profile.from_speeds([3, 3, 1, 1, 1, 1, 2, 2]), {"data": 8})
+    shares = hetero.batch_shares(56, Profile.from_speeds([3, 3, 1, 1, 1, 1, 2, 2]), {"data": 8})
     assert shares == (12, 12, 4, 4, 4, 4, 8, 8)
 
 
@@ -34,10 +35,10 @@ def test_shares_stay_within_five_percent_of_proportional(seed):
 
 def test_memory_caps_take_work_from_a_fast_device_with_little_memory():
     speeds = [4, 1, 1, 1, 1]
-    fast = hetero.batch_shares(40, spmd.Profile.from_speeds(speeds), {"data": 5})
+    fast = hetero.batch_shares(40, Profile.from_speeds(speeds), {"data": 5})
     assert fast == (20, 5, 5, 5, 5)
     # Device 0 holds the model state (1000 bytes) plus 6 examples of 100 bytes; the others have room for 20.
-    small = spmd.Profile.from_speeds(speeds, memory=[1600, 3000, 3000, 3000, 3000])
+    small = Profile.from_speeds(speeds, memory=[1600, 3000, 3000, 3000, 3000])
     capped = hetero.batch_shares(40, small, {"data": 5}, state_bytes=1000, example_bytes=100)
     assert capped == (6, 9, 9, 8, 8) and sum(capped) == 40
     with pytest.raises(ValueError, match=r"cannot place 40 units: the caps \[6, 6, 6, 6, 6\] hold only 30 in all"):
@@ -48,21 +49,21 @@ def test_memory_caps_take_work_from_a_fast_device_with_little_memory():
 
 @pytest.mark.parametrize("speeds", [[2, 2, 2, 2, 1, 1, 1, 1], [3, 3, 3, 3, 1, 1, 1, 1], [4, 4, 2, 2, 2, 1, 1, 1]])
 def test_modelled_speedup_reaches_the_ideal_when_compute_bound(speeds):
-    shares = hetero.batch_shares(512, spmd.Profile.from_speeds(speeds), {"data": 8})
+    shares = hetero.batch_shares(512, Profile.from_speeds(speeds), {"data": 8})
     t = hetero.modelled_step_times(1.0, speeds, shares)
     assert t["ideal"] == pytest.approx(sum(speeds) / (8 * min(speeds)))
     assert 0.97 * t["ideal"] <= t["speedup"] <= t["ideal"] + 1e-9
 
 
 def test_stage_layers_and_kind_order():
-    assert hetero.stage_layers(8, spmd.Profile.from_speeds([3, 3, 3, 3, 1, 1, 1, 1]), {"stage": 4, "data": 2}) == (
+    assert hetero.stage_layers(8, Profile.from_speeds([3, 3, 3, 3, 1, 1, 1, 1]), {"stage": 4, "data": 2}) == (
         3,
         3,
         1,
         1,
     )
     # Kinds interleaved in device order: reordered so each tensor pair is one kind.
-    profile = spmd.Profile.from_speeds([2, 1] * 4, kinds=["h100", "a100"] * 4)
+    profile = Profile.from_speeds([2, 1] * 4, kinds=["h100", "a100"] * 4)
     order = hetero.kind_order(profile, {"data": 4, "tensor": 2})
     pairs = np.array([profile.kinds[i] for i in order]).reshape(4, 2)
     assert all(len(set(pair)) == 1 for pair in pairs)
@@ -72,13 +73,16 @@ def test_uneven_data_parallel_loops_differently_and_equals_one_device():
     model = models.get("gpt-tiny", layers=2)
     shares = (12, 12, 4, 4, 4, 4, 8, 8)
     plan = hetero.uneven_data_parallel(shares)
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, spmd.make_mesh({"data": 8}))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(
+        models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, spmd.make_mesh({"data": 8}), params=params
+    )
     state = step.init(model.init, jax.random.key(0))
     batch = data.batch(0, 0, 56, model.config.seq_len, model.config.vocab)
     # Read from the executed program: the iterations each device's loop ran.
-    np.testing.assert_array_equal(step.uneven.executed_loops(state.params, batch), [3, 3, 1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(step.executor.engine.executed_loops(state.params, batch), [3, 3, 1, 1, 1, 1, 2, 2])
     one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    ref = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), spmd.Plan(), one)
+    ref = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), spmd.Plan(), one, params=params)
     ref_state = ref.init(model.init, jax.random.key(0))
     for i in range(2):
         batch = data.batch(0, i, 56, model.config.seq_len, model.config.vocab)
@@ -88,7 +92,7 @@ def test_uneven_data_parallel_loops_differently_and_equals_one_device():
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"the batch has 48 examples but the shares .* add up to 56"):
-        step.uneven.value_and_grad(state.params, data.batch(0, 0, 48, 32, 256))
+        step.executor.engine.value_and_grad(state.params, data.batch(0, 0, 48, 32, 256))
 
 
 def test_cli_run_uneven_data_parallel_checked(capsys):
@@ -144,7 +148,7 @@ def test_cli_profile_measures_devices(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "profile", "--size", "64", "--out", str(tmp_path / "p.json"))
     j = json.loads(out)
     assert code == 0 and len(j["devices"]) == 8 and all(d["speed"] > 0 for d in j["devices"])
-    assert spmd.Profile.load(str(tmp_path / "p.json")).speeds == tuple(float(d["speed"]) for d in j["devices"])
+    assert Profile.load(str(tmp_path / "p.json")).speeds == tuple(float(d["speed"]) for d in j["devices"])
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 import spmd
 import strategies
 from spmd import costmodel, data, models
-from spmd._pipeline import IDLE, Placement, tick_program
-from spmd._schedule import Costs, ScheduleError, simulate
+from spmd._pipeline import IDLE, Placement
+from spmd.pipeline import Costs, ScheduleError, simulate, tick_program
 from tests.conftest import assert_trees_close, run_cli
 
 STEPS, BATCH, LAYERS = 2, 16, 8
@@ -32,7 +32,10 @@ CASES = [
 
 def _train(plan, mesh, name="gpt-tiny"):
     model = models.get(name, layers=LAYERS, remat=plan.remat)
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, staged=model.staged)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(
+        models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params, staged=model.staged
+    )
     state = step.init(model.init, jax.random.key(0))
     losses = []
     for i in range(STEPS):
@@ -96,13 +99,14 @@ def test_pipelined_training_equals_the_unpipelined_model(runs, reference, mesh, 
 def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     _, state, step = runs(mesh, name, virtual)
     batch = data.batch(0, 0, BATCH, 32, 256)
-    executed = step.pipeline.executed(state.params, batch, data_axes=step.data_axes)
-    schedule = step.plan.pipeline.schedule
+    engine = step.executor.engine
+    executed = engine.executed(state.params, batch)
+    schedule = step.plan.execution.schedule
     ticks = simulate(schedule, Costs(F=virtual, B=virtual, W=virtual, BW=virtual)).ticks()
     codes = {"F": 1, "B": 2, "W": 3, "BW": 4}
     expected = np.array([[IDLE if a is None else codes[a.kind] for a in row] for row in ticks])
     np.testing.assert_array_equal(executed, expected)
-    assert step.pipeline.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
+    assert engine.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
 
 
 def test_an_nnx_model_pipelines_like_its_unpipelined_self():
@@ -123,7 +127,7 @@ def test_uneven_stages_train_like_the_unpipelined_model(runs, reference):
     kernel = state.params["params"]["layers"]["mlp"]["wi"]["kernel"]
     assert kernel.shape[:3] == (4, 1, 3)  # padded to the longest stage; the padding never changes
     np.testing.assert_array_equal(np.asarray(kernel)[2:, 0, 1:], 0)
-    assert step.pipeline.placement.branches == (1, 3)
+    assert step.executor.engine.placement.branches == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -167,14 +171,16 @@ def test_input_slots_are_never_overwritten_while_needed(name, p, m, v):
 def test_report_counts_the_pipeline_exchanges(runs):
     _, _, step = runs("stage4xdata2", "zb-h1", 1)
     report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
+    assert report.execution.kind == "pipeline"
+    pipeline = report.execution.figures
     comm = report.comm_bytes_per_step
     assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.01), report.collectives
     kinds = {(c.kind, c.axes): c for c in report.collectives}
-    ticks = report.pipeline["ticks"]
+    ticks = pipeline["ticks"]
     assert kinds["collective-permute", ("stage",)].count == 2 * ticks
     # Data parallelism inside the pipeline reduces the stage's gradients once per step, not once per W.
     assert kinds["all-reduce", ("data",)].count == 1
-    assert report.pipeline["bubble_fraction"] == pytest.approx(3 / 27) and report.pipeline["slots"] >= 4
+    assert pipeline["bubble_fraction"] == pytest.approx(3 / 27) and pipeline["slots"] >= 4
     assert "pipeline: zb-h1 on 4 stages" in str(report)
 
 
@@ -184,10 +190,13 @@ def test_report_counts_fsdp_inside_the_stages():
     mesh_axes = {"stage": 4, "fsdp": 2}
     plan = strategies.from_names("pp+fsdp", mesh_axes, pipeline_options=strategies.PipelineOptions("1f1b", 4))
     model = models.get("gpt-tiny", layers=LAYERS, remat=plan.remat)
-    step = spmd.train_step(models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh(mesh_axes), staged=model.staged)
-    step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    mesh = spmd.make_mesh(mesh_axes)
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1), plan, mesh, params=params, staged=model.staged)
     report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
-    assert step.pipeline.weight_uses() == (12.0, 4.0)  # 4 F and 4 BW per device
+    assert report.execution.kind == "pipeline"
+    pipeline = report.execution.figures
+    assert step.executor.engine.weight_uses() == (12.0, 4.0)  # 4 F and 4 BW per device
     compiled = {(c.kind, c.axes): c for c in report.collectives}
     analytic = {(t.kind, t.axes): t for t in report.analytic_collectives}
     # One device's chunks of the FSDP-split layers, gathered.
@@ -201,9 +210,9 @@ def test_report_counts_fsdp_inside_the_stages():
     assert (
         permutes.bytes
         == analytic["collective-permute", ("stage",)].bytes
-        == 2 * report.pipeline["ticks"] * (report.pipeline["slot_bytes"])
+        == 2 * pipeline["ticks"] * (pipeline["slot_bytes"])
     )
-    assert report.pipeline["slot_bytes"] == (BATCH // 4) * 32 * 64 * 4 // 2
+    assert pipeline["slot_bytes"] == (BATCH // 4) * 32 * 64 * 4 // 2
     comm = report.comm_bytes_per_step
     assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.1)
     assert not [w for w in report.warnings if w.startswith("collective traffic")]
@@ -212,7 +221,7 @@ def test_report_counts_fsdp_inside_the_stages():
     tick = costmodel.pipeline_tick_bytes(
         step.layout.params.leaves, plan, mesh_axes, costmodel.Workload(batch=BATCH // 4, seq_len=32), 1
     )
-    slots = 2 * report.pipeline["slots"] * report.pipeline["slot_bytes"]
+    slots = 2 * pipeline["slots"] * pipeline["slot_bytes"]
     assert tick > 2 * stack and report.analytic_memory["activation_bytes"] == slots + int(tick)
     assert report.compiled_memory["temp_bytes"] <= 2 * report.analytic_memory["temp_bytes"]
 
@@ -254,12 +263,19 @@ def test_cli_pipeline_mistakes(capsys, args, message):
 def test_api_mistakes():
     model = models.get("gpt-tiny")
     plan = strategies.pipeline("1f1b", stages=4, microbatches=4)
+    params = jax.eval_shape(model.init, jax.random.key(0))
     with pytest.raises(spmd.PlanError, match="pass staged=model.staged"):
-        spmd.train_step(models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh({"stage": 4, "data": 2}))
-    step = spmd.train_step(
-        models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh({"stage": 2, "data": 4}), staged=model.staged
-    )
+        spmd.TrainStep(
+            models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh({"stage": 4, "data": 2}), params=params
+        )
     with pytest.raises(ScheduleError, match="schedule 1f1b is for 4 stages but mesh axis 'stage' has 2 devices"):
-        step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+        spmd.TrainStep(
+            models.loss_fn(model),
+            optax.sgd(0.1),
+            plan,
+            spmd.make_mesh({"stage": 2, "data": 4}),
+            params=params,
+            staged=model.staged,
+        )
     with pytest.raises(spmd.PlanError, match="two pipeline parts"):
         plan + strategies.pipeline("gpipe", stages=4, microbatches=4)

@@ -12,10 +12,9 @@ BATCH = 16
 
 
 def _report(model, strategy, mesh_axes):
-    step = spmd.train_step(
-        models.loss_fn(model), optax.adam(1e-3), strategies.from_names(strategy), spmd.make_mesh(mesh_axes)
-    )
-    step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    plan, mesh = strategies.from_names(strategy), spmd.make_mesh(mesh_axes)
+    step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params)
     return spmd.report(step, data.batch(0, 0, BATCH, model.config.seq_len, model.config.vocab))
 
 

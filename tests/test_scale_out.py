@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 import strategies
-from spmd import models
-from spmd._checkpoint import Checkpoints
+from spmd import Checkpoints, models
 from spmd._launch import free_port
 from tests.conftest import run_cli
 
@@ -137,8 +136,15 @@ def _stored_layout_step(kind, model):
         mesh = {"data": 8}
         plan = strategies.subnetwork_dp(coverage=0.5, granularity="neuron", masking=kind.removeprefix("sdp-"))
     narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
-    return spmd.train_step(
-        models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(mesh), staged=model.staged, narrow=narrow
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    return spmd.TrainStep(
+        models.loss_fn(model),
+        optax.adam(1e-3),
+        plan,
+        spmd.make_mesh(mesh),
+        params=params,
+        staged=model.staged,
+        narrow=narrow,
     )
 
 
@@ -151,8 +157,9 @@ def test_every_stored_layout_converts_to_the_models_and_back(kind):
     model = models.get("gpt-tiny", layers=4)
     step = _stored_layout_step(kind, model)
     state = step.init(model.init, jax.random.key(0))
-    assert not step.stores_model_layout
-    exported = step.to_model_layout(state)
+    layout = spmd.ModelLayout(step)
+    assert not layout.identity
+    exported = layout.to_model(state)
     _same(exported.params, step.params_of(state))
     # What an unsharded Adam keeps: the model's parameters and two moments shaped like them.
     single = jax.eval_shape(optax.adam(1e-3).init, exported.params)
@@ -163,11 +170,11 @@ def test_every_stored_layout_converts_to_the_models_and_back(kind):
     numbered = jax.tree.map(
         lambda x: jax.device_put((np.arange(x.size) % 997).astype(x.dtype).reshape(x.shape), x.sharding), exported
     )
-    _same(step.to_model_layout(step.from_model_layout(numbered)), numbered)
+    _same(layout.to_model(layout.from_model(numbered)), numbered)
     # And the stored state comes back from the model layout as it was, in its own shardings.
-    back = step.from_model_layout(exported)
+    back = layout.from_model(exported)
     _same(back, state)
-    assert jax.tree.map(lambda x: x.sharding, back) == step.layout.shardings
+    assert jax.tree.map(lambda x: x.sharding, back) == step.shardings
 
 
 @pytest.mark.slow

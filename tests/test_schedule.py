@@ -7,8 +7,7 @@ from fractions import Fraction
 import pytest
 
 import strategies
-from spmd._gantt import gantt_text
-from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate, validate
+from spmd.pipeline import Action, Costs, Schedule, ScheduleError, gantt_text, simulate, validate
 from tests.conftest import run_cli
 
 

@@ -13,7 +13,7 @@ import pytest
 import spmd
 import strategies
 from spmd import data, models
-from spmd._subnet import SubnetSpec, ownership
+from spmd.execution import SubnetSpec, ownership
 from tests.conftest import run_cli
 
 MESH = {"data": 8}
@@ -37,19 +37,25 @@ def test_ownership_is_balanced_complete_and_seeded(coverage, groups):
 def _sdp_step(model, masking, granularity, optimizer, seed=0):
     plan = strategies.subnetwork_dp(coverage=0.5, granularity=granularity, masking=masking, seed=seed)
     narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
-    return spmd.train_step(models.loss_fn(model), optimizer, plan, spmd.make_mesh(MESH), narrow=narrow)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    return spmd.TrainStep(models.loss_fn(model), optimizer, plan, spmd.make_mesh(MESH), params=params, narrow=narrow)
+
+
+def _placed(sub, path, x, part):
+    """Part ``part``'s groups ``x`` put in the full layout, zeros elsewhere."""
+    return sub._joined(path, [x if g == part else jnp.zeros_like(x) for g in range(sub.owners.parts)])
 
 
 def _worker_grads(model, params, batch, step, masking):
     """Each worker's own gradient, on one device: its subnetwork's (forward masking) or the full model's
     (backward masking) on its slice of the batch, in the full layout with zeros where it owns nothing."""
-    sub = step.subnet
+    sub = step.executor.engine
     narrowed = models.loss_fn(models.narrowed(model, sub.kept))
 
     @jax.jit(static_argnums=2)
     def grad_of(params, local, part):
         own = lambda path, x: sub._take(path, x, np.array([part]))[0] if sub._dim(path) else x  # noqa: E731
-        place = lambda path, x: sub._placed(path, x, part) if sub._dim(path) else x  # noqa: E731
+        place = lambda path, x: _placed(sub, path, x, part) if sub._dim(path) else x  # noqa: E731
         if masking == "backward":  # the full model's gradient, of which only the owned groups count
             return sub._map(lambda path, x: place(path, own(path, x)), jax.grad(models.loss_fn(model))(params, local))
         return sub._map(place, jax.grad(narrowed)(sub._map(own, params), local))
@@ -79,17 +85,17 @@ def test_update_is_the_owner_average_computed_in_numpy(name, masking, granularit
     step = _sdp_step(model, masking, granularity, optax.sgd(1.0))  # the update is minus the gradient
     state = step.init(model.init, jax.random.key(0))
     groups = {"block": {"layers"}, "neuron": {"channels"} if name == "cnn-tiny" else {"mlp", "heads"}}
-    assert set(step.subnet.sizes) == groups[granularity]
+    assert set(step.executor.engine.sizes) == groups[granularity]
     before = jax.tree.map(np.asarray, step.params_of(state))
     batch = data.batch(0, 0, 16, model.config.seq_len, model.config.vocab)
     state, _ = step(state, batch)
     update = jax.tree.map(lambda a, b: np.asarray(b) - a, before, step.params_of(state))
     # The rule in NumPy: g_p = Σ_{i owns p} g_ip / |owners(p)|; shared parameters: the mean over all workers.
     grads = _worker_grads(model, before, batch, step, masking)
-    sub = step.subnet
+    sub = step.executor.engine
     count = sub._map(
         lambda path, x: (
-            sum(sub._placed(path, jnp.ones_like(sub._take(path, x, np.array([p]))[0]), p) for p in sub.owners.part_of)
+            sum(_placed(sub, path, jnp.ones_like(sub._take(path, x, np.array([p]))[0]), p) for p in sub.owners.part_of)
             if sub._dim(path)
             else np.full(x.shape, 8.0)
         ),
@@ -122,18 +128,20 @@ def test_backward_masking_is_unbiased():
 
 @pytest.fixture(scope="module")
 def small_reports():
-    """gpt-small on data=8 at batch 32: SDP at coverage 0.5 with either masking, and data parallelism (the report
-    of a subnetwork plan compiles it alongside)."""
+    """gpt-small on data=8 at batch 32: SDP at coverage 0.5 with either masking, and data parallelism (the
+    forward-masking report joined with data parallelism's, as ``spmd plan`` does for a subnetwork plan)."""
     model = models.get("gpt-small")
     params = jax.eval_shape(model.init, jax.random.key(0))
     batch = data.batch(0, 0, 32, model.config.seq_len, model.config.vocab)
+    mesh = spmd.make_mesh(MESH)
+    dp = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), spmd.Plan(batch_axes=("data",)), mesh, params=params)
     out = {}
     for masking in ("forward", "backward"):
         plan = strategies.subnetwork_dp(coverage=0.5, masking=masking)
         narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
-        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(MESH), narrow=narrow)
-        step.prepare(params)
-        out[masking] = spmd.report(step, batch, against_data_parallel=masking == "forward")
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params, narrow=narrow)
+        out[masking] = spmd.report(step, batch)
+    out["forward"] = out["forward"].with_data_parallel(spmd.report(dp, batch))
     out["dp"] = out["forward"].data_parallel
     assert out["backward"].data_parallel is None
     return out
@@ -141,7 +149,7 @@ def small_reports():
 
 def test_the_report_measures_sdp_against_data_parallelism(small_reports):
     dp, sdp = small_reports["dp"], small_reports["forward"]
-    assert dp.plan == spmd.Plan(batch_axes=("data",)) and dp.subnet is None and dp.data_parallel is None
+    assert dp.plan == spmd.Plan(batch_axes=("data",)) and dp.execution is None and dp.data_parallel is None
     # Data parallelism keeps the whole model on every device and reduces every gradient over all 8.
     assert dp.per_device_bytes["params"] == sum(r.bytes for r in dp.params)
     assert {c.group_size for c in dp.collectives} == {8}
@@ -159,7 +167,8 @@ def test_forward_masking_stores_only_the_subnetwork(small_reports):
     dp, sdp = small_reports["dp"], small_reports["forward"]
     assert sdp.per_device_bytes["total"] <= 0.65 * dp.per_device_bytes["total"]
     assert sdp.compiled_memory["argument_bytes"] <= 0.7 * dp.compiled_memory["argument_bytes"]
-    s = sdp.subnet
+    assert sdp.execution.kind == "subnet"
+    s = sdp.execution.figures
     assert s["parts"] == 2 and s["owners_per_group"] == 4 and s["shared_param_bytes"] > 0
     # Shared parameters (embeddings, head, final norm) are a quarter of gpt-small: the rest is halved.
     assert sdp.per_device_bytes["params"] == s["owned_param_bytes"] + s["shared_param_bytes"]
@@ -205,7 +214,7 @@ def test_cli_sdp_mistakes(capsys, args, message):
 def test_owned_arrays_are_stored_per_worker_and_split_over_data():
     model = models.get("gpt-tiny", layers=2)
     step = _sdp_step(model, "forward", "block", optax.sgd(0.1))
-    layout = step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+    layout = step.layout
     row = next(r for r in layout.params.leaves if r.path.endswith("mlp/wi/kernel"))
     assert row.names[0] == "worker" and row.spec[0] == "data" and row.shape[:2] == (8, 1)
     assert row.bytes_per_device == row.bytes // 8

@@ -54,14 +54,15 @@ def test_fsdp_alone_shards_an_unannotated_model():
 def test_fsdp_plus_path_rules_split_kernels_over_both_axes_and_train_like_one_device():
     plan = strategies.data_parallel() + strategies.fsdp(min_bytes=2048) + spmd.Plan.from_rules(TP_RULES)
     mesh = spmd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    step = spmd.train_step(loss, optax.adam(1e-2), plan, mesh)
+    params = jax.eval_shape(init, jax.random.key(0))
+    step = spmd.TrainStep(loss, optax.adam(1e-2), plan, mesh, params=params)
     state = step.init(init, jax.random.key(0))
     assert state.params["up_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
     assert state.params["down_proj"]["kernel"].sharding.spec == P("tensor", "fsdp")
     assert state.opt_state[0].mu["up_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
 
     one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    ref_step = spmd.train_step(loss, optax.adam(1e-2), spmd.Plan(), one)
+    ref_step = spmd.TrainStep(loss, optax.adam(1e-2), spmd.Plan(), one, params=params)
     ref = ref_step.init(init, jax.random.key(0))
     rng = np.random.default_rng(0)
     for _ in range(3):

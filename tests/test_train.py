@@ -15,9 +15,11 @@ from spmd import models
 def test_sharded_init_never_builds_a_full_replica():
     model = models.get("mlp", vocab=4096)  # embedding and head: 1 MiB each
     mesh = spmd.make_mesh({"fsdp": 8})
-    step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), strategies.fsdp(), mesh)
     rng = jax.random.key(0)
-    compiled = step.initializer(model.init, rng).lower(rng).compile()
+    step = spmd.TrainStep(
+        models.loss_fn(model), optax.adam(1e-3), strategies.fsdp(), mesh, params=jax.eval_shape(model.init, rng)
+    )
+    compiled = step.initializer(model.init).lower(rng).compile()
     mem = compiled.memory_analysis()
     full = 4096 * 64 * 4
     state_per_device = sum(r.bytes_per_device for r in step.layout.params.leaves + step.layout.opt_state.leaves)
@@ -38,7 +40,8 @@ def test_step_donates_the_state_and_keeps_the_layout():
     model = models.get("mlp")
     mesh = spmd.make_mesh({"data": 2, "tensor": 4})
     plan = strategies.data_parallel() + strategies.tensor_parallel()
-    step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params)
     state = step.init(model.init, jax.random.key(0))
     wi = state.params["params"]["wi"]["kernel"]
     batch = {"tokens": np.zeros((8, model.config.seq_len), np.int32)}

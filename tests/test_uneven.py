@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import spmd
+from spmd import collectives
 
 MESH = Mesh(np.array(jax.devices()[:4]), ("i",))
 
@@ -45,7 +45,7 @@ def test_padded_all_gather(lengths):
     x = padded(np.ones((5, total), np.float32), lengths, dim=1)
 
     def gathered(x):
-        out = spmd.padded_all_gather(x, lengths, "i", dim=1)
+        out = collectives.padded_all_gather(x, lengths, "i", dim=1)
         return out[None]
 
     out = on_each_device(gathered, P("i"))(jnp.asarray(x))
@@ -58,7 +58,9 @@ def test_padded_all_gather(lengths):
 
     # Each device sums what it gathered; their mean is the loss: every valid input entry's gradient is 1.
     def loss(x):
-        per_device = on_each_device(lambda x: jax.lax.psum(spmd.padded_all_gather(x, lengths, "i", dim=1).sum(), "i"))
+        per_device = on_each_device(
+            lambda x: jax.lax.psum(collectives.padded_all_gather(x, lengths, "i", dim=1).sum(), "i")
+        )
         return per_device(x) / 4
 
     grad = jax.grad(loss)(jnp.asarray(x))
@@ -70,7 +72,7 @@ def test_padded_all_gather(lengths):
 def test_padded_reduce_scatter(lengths):
     total = sum(lengths)
     x = np.ones((4, 5, total), np.float32)  # ones(5, total) on every device
-    scatter = on_each_device(lambda x: spmd.padded_reduce_scatter(x, lengths, "i", dim=1)[None], P("i"))
+    scatter = on_each_device(lambda x: collectives.padded_reduce_scatter(x, lengths, "i", dim=1)[None], P("i"))
     out = np.asarray(scatter(jnp.asarray(x)))
     width = max(lengths)
     assert out.shape == (4, 5, width)
@@ -97,7 +99,9 @@ def test_uneven_all_to_all(split, concat):
     x = padded(a, concat, dim=0)  # device i: its concat[i] rows, all columns
 
     def reshard(x):
-        out = spmd.uneven_all_to_all(x, "i", split_dim=1, concat_dim=0, split_lengths=split, concat_lengths=concat)
+        out = collectives.uneven_all_to_all(
+            x, "i", split_dim=1, concat_dim=0, split_lengths=split, concat_lengths=concat
+        )
         return out[None]
 
     f = on_each_device(reshard, P("i"))
@@ -113,4 +117,4 @@ def test_uneven_all_to_all(split, concat):
 
 def test_lengths_must_match_the_axis():
     with pytest.raises(ValueError, match=r"lengths \[1, 2\] must give one non-negative length per device of axis 'i'"):
-        on_each_device(lambda x: spmd.padded_all_gather(x, [1, 2], "i"))(jnp.ones((4, 2)))
+        on_each_device(lambda x: collectives.padded_all_gather(x, [1, 2], "i"))(jnp.ones((4, 2)))

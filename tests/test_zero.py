@@ -20,8 +20,8 @@ def reports():
     for name in STAGES:
         plan = strategies.from_names(name)
         model = models.get("gpt-small", remat=plan.remat)
-        step = spmd.train_step(models.loss_fn(model), optax.adam(1e-3), plan, mesh)
-        step.prepare(jax.eval_shape(model.init, jax.random.key(0)))
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params)
         out[name] = spmd.report(step, data.batch(0, 0, 32, model.config.seq_len, model.config.vocab))
     return out
 

@@ -66,6 +66,7 @@ from spmd import axes as A
 from spmd._pipeline import StagedModel
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
+from spmd.models.nnx_module import nnx_module
 
 __all__ = [
     "BUILTIN",
@@ -93,6 +94,10 @@ class Model:
         apply: (params, tokens) -> logits; params unboxed (boxed also accepted).
         staged: the model cut for pipeline parallelism (embeddings, one stacked layer, head and loss), for
             models that have one (the built-in GPTs, linen and nnx); None otherwise.
+
+    >>> model = get("gpt-tiny", layers=2)
+    >>> model.kind, model.config.vocab, model.staged is not None
+    ('linen', 256, True)
     """
 
     name: str
@@ -125,7 +130,12 @@ def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits[:, t]`` against ``tokens[:, t + 1]``, in float32."""
+    """Mean cross-entropy of ``logits[:, t]`` against ``tokens[:, t + 1]``, in float32.
+
+    >>> loss = jax.jit(next_token_loss)(jnp.zeros((2, 5, 4)), jnp.zeros((2, 5), jnp.int32))
+    >>> round(float(loss), 4)  # uniform logits over a vocabulary of 4: log 4
+    1.3863
+    """
     # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
     # prediction, which has no target.
     logits = logits[:, :-1].astype(jnp.float32)
@@ -201,20 +211,6 @@ def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConf
         return nnx_module(graphdef, abstract_flat, unbox(params)["params"])(tokens)
 
     return Model(name=name, kind="nnx", config=config, init=init, apply=apply)
-
-
-def nnx_module(graphdef: Any, abstract_flat: Any, values: Any) -> nnx.Module:
-    """The nnx module ``graphdef`` with its parameters set to ``values`` (nested dicts keyed like the module's
-    attributes); ``abstract_flat`` (``nnx.to_flat_state`` of its abstract parameters) gives their metadata."""
-    flat = []
-    for path, variable in abstract_flat:
-        node = values
-        for key in path:
-            node = node[key]
-        # New Variables with the abstract ones' metadata: the shared abstract state is never mutated.
-        flat.append((path, variable.replace(node)))
-    with nnx.use_eager_sharding(False):
-        return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _check_contract(model: Model) -> None:

@@ -30,6 +30,7 @@ from spmd._context import constrain
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 from spmd.models.gpt import DENSE_INIT, EMBED_INIT, HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention
+from spmd.models.nnx_module import nnx_module
 
 __all__ = ["GPT", "staged"]
 
@@ -206,8 +207,6 @@ def staged(config: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) 
     """The GPT cut for pipelining, running its own nnx modules: the embeddings, one :class:`Block` (the stacked
     layers' per-layer slice) and the final norm, head and ``loss`` (``loss(logits, tokens)``), each module
     rebuilt from its part of the parameters."""
-    from spmd.models import nnx_module
-
     c = config
     with nnx.use_eager_sharding(False):
         whole = nnx.eval_shape(lambda: GPT(c, rngs=nnx.Rngs(0)))
