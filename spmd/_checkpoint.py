@@ -75,7 +75,7 @@ class ModelLayout:
     >>> params = {"w": jax.ShapeDtypeStruct((8, 8), "float32")}
     >>> mesh = spmd.make_mesh({"data": -1})
     >>> step = spmd.TrainStep(lambda p, b: 0.0, optax.adam(0.1), spmd.Plan(), mesh, params=params)
-    >>> ModelLayout(step).identity  # a plain plan stores the model's layout: nothing to convert
+    >>> ModelLayout(step).is_identity  # a plain plan stores the model's layout: nothing to convert
     True
     """
 
@@ -83,22 +83,22 @@ class ModelLayout:
         self.step = step
 
     @property
-    def identity(self) -> bool:
+    def is_identity(self) -> bool:
         """Whether the step stores every array in the model's own layout already."""
-        padded = self.step.layout.params.padded or self.step.layout.grads.padded
+        padded = self.step.layout.params.padded or self.step.layout.trained.padded
         return self.step.executor.keeps_model_layout and not padded
 
     def to_model(self, state: TrainState) -> TrainState:
         """The state in the model's own layout."""
-        return state if self.identity else self._conversions[0](state)
+        return state if self.is_identity else self._conversions[0](state)
 
     def from_model(self, state: TrainState) -> TrainState:
         """The inverse of :meth:`to_model`: the state as the step's plan stores it, in its shardings."""
-        return state if self.identity else self._conversions[1](state)
+        return state if self.is_identity else self._conversions[1](state)
 
     def abstract(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of :meth:`to_model`'s result: targets to restore into."""
-        return self.step.abstract_state() if self.identity else self._conversions[2]
+        return self.step.abstract_state() if self.is_identity else self._conversions[2]
 
     @functools.cached_property
     def _conversions(self) -> tuple[Callable, Callable, Any]:
@@ -111,18 +111,18 @@ class ModelLayout:
             return ex.to_model(unpad(tree, layout.params))
 
         def model_moments(tree: Any) -> Any:
-            return ex.to_model(ex.from_trained(unpad(tree, layout.grads)))
+            return ex.to_model(ex.from_trained(unpad(tree, layout.trained)))
 
         def stored_params(tree: Any) -> Any:
             return pad(unbox(ex.to_stored(tree)), layout.params)
 
         def stored_moments(tree: Any) -> Any:
-            return pad(unbox(ex.trained(unbox(ex.to_stored(tree)))), layout.grads)
+            return pad(unbox(ex.to_trained(unbox(ex.to_stored(tree)))), layout.trained)
 
         def convert(state: TrainState, like: Any, params: Callable, moments: Callable) -> TrainState:
             return TrainState(state.step, params(state.params), _map_like(moments, state.opt_state, like))
 
-        trained = stored_abstract(layout.grads)  # moments mirror what the optimizer updates
+        trained = stored_abstract(layout.trained)  # moments mirror what the optimizer updates
         to_model = jax.jit(lambda s: convert(s, trained, model_params, model_moments))
         compiled = to_model.lower(step.abstract_state()).compile()
         target = jax.tree.map(

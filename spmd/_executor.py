@@ -53,7 +53,8 @@ class Task(NamedTuple):
     """What an executor is built for: the model's ``loss(params, batch)``, the plan and mesh, the model's
     abstract (possibly annotated) parameters in its own layout, and the model's optional cut forms — ``staged``
     (embeddings, one stacked layer, head: for pipelines) and ``narrow(kept) -> loss`` (the loss of the model
-    narrowed to ``kept`` groups: for subnetworks with forward masking).
+    narrowed to ``kept`` groups per logical dimension, ``{}`` keeping the whole model: for subnetworks with
+    forward masking).
 
     >>> import spmd, jax
     >>> params = {"w": jax.ShapeDtypeStruct((2,), "float32")}
@@ -82,11 +83,11 @@ class Executor(NamedTuple):
     """One way of computing a training step's loss and gradients.
 
     - ``value_and_grad(stored, batch) -> (loss, grads)``: the mean loss of the batch and the gradients of the
-      arrays the optimizer updates (``trained(stored)``), in their stored layout;
+      arrays the optimizer updates (``to_trained(stored)``), in their stored layout;
     - ``to_stored(params)`` / ``to_model(stored)``: the model's parameters as stored, and back. ``to_stored``
-      and ``trained`` also take boxed or abstract trees: the plan lays out what they return, and the logical
-      names they add (``stage``, ``worker``) go to the axes the execution spec names;
-    - ``trained(stored)``: what the optimizer updates (the stored parameters, but for backward masking each
+      and ``to_trained`` also take boxed or abstract trees: the plan lays out what they return, and the logical
+      names they add (as flax boxes: ``stage``, ``worker``) go to the axes the execution spec names;
+    - ``to_trained(stored)``: what the optimizer updates (the stored parameters, but for backward masking each
       worker's parts) and ``from_trained(updated)``: the stored parameters from the updated arrays;
     - ``splits_batch``: whether the batch is split over the plan's batch axes (False: every device receives it
       whole, and the executor takes its own share);
@@ -108,7 +109,7 @@ class Executor(NamedTuple):
     value_and_grad: Callable[[Any, Any], tuple[jax.Array, Any]]
     to_stored: Callable[[Any], Any] = identity
     to_model: Callable[[Any], Any] = identity
-    trained: Callable[[Any], Any] = identity
+    to_trained: Callable[[Any], Any] = identity
     from_trained: Callable[[Any], Any] = identity
     splits_batch: bool = True
     costs: Callable[[StateLayout, Any, Workload], Contribution] = _no_costs
@@ -118,12 +119,13 @@ class Executor(NamedTuple):
 
     @property
     def keeps_model_layout(self) -> bool:
-        """Whether stored parameters and trained arrays are the model's own, with no conversion.
+        """Whether stored parameters and trained arrays are the model's own, with no conversion: every
+        conversion is the default :func:`identity` (the function itself, so checkpoints skip converting).
 
         >>> plain(Task(lambda p, b: 0.0, None, None, None)).keeps_model_layout
         True
         """
-        return all(f is identity for f in (self.to_stored, self.to_model, self.trained, self.from_trained))
+        return all(f is identity for f in (self.to_stored, self.to_model, self.to_trained, self.from_trained))
 
 
 def plain(task: Task) -> Executor:

@@ -161,6 +161,7 @@ class StateLayout:
     grads: Layout
     opt_state: Layout
     moments: Layout
+    trained: Layout  # the arrays the optimizer updates, as stored: the parameters, or an executor's own arrays
 
 
 def resolve_state(
@@ -188,10 +189,11 @@ def resolve_state(
     params = plan.resolve(annotated_params, mesh)
     grads = plan.resolve(trained, mesh, role="grads")
     moments = plan.resolve(trained, mesh, role="optimizer")
-    # The optimizer state mirrors the stored (block-padded) arrays it trains.
-    opt_abstract = jax.eval_shape(optimizer.init, stored_abstract(params if trained is annotated_params else grads))
-    opt_state = plan.resolve(opt_abstract, mesh, params=trained)
-    return StateLayout(params, grads, opt_state, moments)
+    # The optimizer updates the stored (block-padded) parameters, or the executor's own arrays, and its state
+    # mirrors them; their gradients are stored so too.
+    stored = params if trained is annotated_params else grads
+    opt_state = plan.resolve(jax.eval_shape(optimizer.init, stored_abstract(stored)), mesh, params=trained)
+    return StateLayout(params, grads, opt_state, moments, stored)
 
 
 def stored_abstract(layout: Layout) -> Any:

@@ -109,6 +109,8 @@ class Report:
             "execution": None if self.execution is None else self.execution.kind,
         }
         if self.execution is not None:
+            if self.execution.kind in out:
+                raise ValueError(f"an execution mode's summary kind {self.execution.kind!r} names a report field")
             out[self.execution.kind] = dict(self.execution.figures)
         return out | {
             "data_parallel": None if self.data_parallel is None else self.data_parallel.essentials(),

@@ -180,6 +180,8 @@ class _Resolver:
         proposal = part.propose(leaf, tuple(entries), self.sizes)
         if proposal is None:
             return None
+        p = self.parts.index(part)
+        self.hits.update((p, i) for i in proposal.hits)
         if proposal.unmet and not any(entries) and not self._replicable(leaf):
             raise PlanError(proposal.unmet)
         for d, axes in enumerate(proposal.entries):

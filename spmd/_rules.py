@@ -120,6 +120,13 @@ class Part(Protocol):
       contributes to activations (flax's rule context and :func:`spmd.constrain`);
     - ``unused(hits)``: one message per rule of its own that no array matched; ``describe()``: a few words.
 
+    The plan resolves an array in two phases. First every rule part (``after_rules`` False) proposes for every
+    role; their proposals merge, a conflict is an error, and the mesh axes are checked against the array's
+    sizes. Then each part with ``after_rules`` proposes, for the roles it lays out, into the dimensions still
+    free: its ``pads``, ``note`` and ``unmet`` apply, and such a part counts as covering every array (it decides
+    to leave small ones alone). For an optimizer moment, which mirrors a parameter, only the after-rules parts
+    that lay out the optimizer state but not the parameters (ZeRO-1/2) add to the parameter's layout.
+
     >>> isinstance(ShardLargest("fsdp"), Part), isinstance(LogicalRules((("mlp", ("tensor",)),)), Part)
     (True, True)
     """

@@ -167,6 +167,7 @@ class SubnetSpec(ExecutionSpec):
             raise ValueError(f"sdp: masking {self.masking!r}; choose from {', '.join(MASKINGS)}")
         if not 0 < self.coverage <= 1:
             raise ValueError(f"sdp: coverage must be in (0, 1], got {self.coverage}")
+        self.parts  # noqa: B018 - checks that the coverage is 1/P
 
     @property
     def parts(self) -> int:

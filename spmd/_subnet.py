@@ -380,7 +380,7 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
     >>> params = jax.eval_shape(model.init, jax.random.key(0))
     >>> task = spmd.execution.Task(models.loss_fn(model), plan, spmd.make_mesh({"data": -1}), params)
     >>> ex = subnet_executor(plan.execution, task)
-    >>> ex.to_stored is spmd.execution.identity, ex.trained is spmd.execution.identity
+    >>> ex.to_stored is spmd.execution.identity, ex.to_trained is spmd.execution.identity
     (True, False)
     """
     if spec.masking == "forward" and task.narrow is None:
@@ -392,7 +392,7 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
     if spec.masking == "forward":
         task.narrow({})  # narrowed to nothing: the whole model; says first if the model cannot be narrowed at all
     engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params)
-    report = {"costs": engine.costs, "summary": engine.summary, "engine": engine}
+    shared = {"costs": engine.costs, "summary": engine.summary, "engine": engine}
     if spec.masking == "forward":
-        return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **report)
-    return Executor(engine.backward_value_and_grad, trained=engine.own, from_trained=engine.rebuild, **report)
+        return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **shared)
+    return Executor(engine.backward_value_and_grad, to_trained=engine.own, from_trained=engine.rebuild, **shared)

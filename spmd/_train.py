@@ -96,7 +96,7 @@ class TrainStep:
         task = Task(loss_fn, plan, mesh, self.model_params, staged, narrow)
         self.executor: Executor = plain(task) if plan.execution is None else plan.execution.executor(task)
         stored = self.executor.to_stored(self.model_params)
-        trained = self.executor.trained(stored)
+        trained = self.executor.to_trained(stored)
         self.layout: StateLayout = resolve_state(
             plan, stored, optimizer, mesh, trained=None if trained is stored else trained
         )
@@ -105,7 +105,7 @@ class TrainStep:
             replicated, _named(mesh, self.layout.params.specs), _named(mesh, self.layout.opt_state.specs)
         )
         self.grad_shardings = _named(mesh, self.layout.grads.specs)
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}  # per batch signature
+        self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any]] = {}  # per batch signature, with its shardings
 
     # -- the state ----------------------------------------------------------------------------------------
     def initializer(self, init_fn: Callable[[jax.Array], Any]) -> Callable[[jax.Array], TrainState]:
@@ -115,7 +115,7 @@ class TrainStep:
         def create(rng: jax.Array) -> TrainState:
             stored = ex.to_stored(init_fn(rng))
             params = pad(unbox(stored), layout.params)
-            opt_state = self.optimizer.init(pad(unbox(ex.trained(stored)), layout.grads))
+            opt_state = self.optimizer.init(pad(unbox(ex.to_trained(stored)), layout.trained))
             return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
         return jax.jit(create, out_shardings=self.shardings)
@@ -163,8 +163,8 @@ class TrainStep:
             loss, grads = ex.value_and_grad(unpad(state.params, layout.params), batch)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
-        grads = jax.lax.with_sharding_constraint(pad(grads, layout.grads), self.grad_shardings)
-        trained = ex.trained(state.params)
+        grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
+        trained = ex.to_trained(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
         params = ex.from_trained(optax.apply_updates(trained, updates))
         return TrainState(state.step + 1, params, opt_state), loss
@@ -190,13 +190,17 @@ class TrainStep:
 
     def compile(self, batch: Any) -> jax.stages.Compiled:
         """The step compiled for this batch's shapes and dtypes (compiled once per batch signature)."""
+        return self._program(batch)[0]
+
+    def _program(self, batch: Any) -> tuple[jax.stages.Compiled, Any]:
         key = _signature(batch)
         if key not in self._compiled:
-            self._compiled[key] = self.lower(batch).compile()
+            self._compiled[key] = (self.lower(batch).compile(), self.batch_shardings(batch))
         return self._compiled[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
-        return self.compile(batch)(state, place(batch, self.batch_shardings(batch)))
+        compiled, shardings = self._program(batch)
+        return compiled(state, place(batch, shardings))
 
 
 def shard(tree: Any, plan: Plan, mesh: Mesh) -> Any:

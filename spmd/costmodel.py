@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from spmd import axes as A
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
 from spmd._layout import LeafLayout, StateLayout, resolve_state
-from spmd._rules import ShardLargest, assign_by_rules
+from spmd._rules import PlanError, ShardLargest, assign_by_rules
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
@@ -288,7 +288,7 @@ def pipeline_traffic(
 
 
 def subnet_traffic(summary: Mapping[str, Any], axis: str, *, masking: str) -> list[Traffic]:
-    """Subnetwork data parallelism's gradient reductions per step (``summary``: ``spmd.Subnetworks.summary``):
+    """Subnetwork data parallelism's gradient reductions per step (``summary``: ``spmd.execution.Subnetworks.figures``):
     shared parameters' gradients all-reduced over all workers, each part's over its owners only; with backward
     masking also the updated parts put back into every worker's full parameters (an all-reduce of the grouped
     parameters over all workers).
@@ -820,6 +820,12 @@ def estimate(
     >>> e.per_device_bytes["params"], e.flops  # 6 FLOPs · 16 tokens per device · 256 · 256
     (262144, 6291456.0)
     """
+    if plan.execution is not None:
+        raise PlanError(
+            f"costmodel.estimate prices plans that SPMD annotations run; this one runs "
+            f"{plan.execution.describe()}: build its spmd.TrainStep and use spmd.report (or estimate_layout with "
+            f"the step's executor.costs)"
+        )
     plan.check_mesh(mesh_shape)
     return estimate_layout(resolve_state(plan, params, optimizer, mesh_shape), plan, mesh_shape, workload, hardware)
 

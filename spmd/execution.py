@@ -13,6 +13,7 @@ mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor
 """
 
 from spmd._executor import Executor, Summary, Task, identity, plain
+from spmd._pipeline import pipeline_executor
 from spmd._shares import UnevenData, uneven_executor
 from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Shares, SubnetSpec
 from spmd._subnet import Ownership, Subnetworks, ownership, subnet_executor
@@ -32,6 +33,7 @@ __all__ = [
     "UnevenData",
     "identity",
     "ownership",
+    "pipeline_executor",
     "plain",
     "subnet_executor",
     "uneven_executor",

@@ -1,6 +1,6 @@
 """Heterogeneous meshes (HAP): devices of different speeds get uneven shares of the work.
 
-Pure functions of a :class:`spmd.Profile` and the mesh sizes:
+Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
 
 - :func:`proportional_split`: an exact integer split of a total proportional to weights under per-part caps
   (water-filling, then the largest remainders);

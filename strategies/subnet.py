@@ -26,5 +26,4 @@ def subnetwork_dp(
     'batch over data; subnetworks over data (coverage 0.25, neuron, forward masking)'
     """
     spec = SubnetSpec(axis=axis, coverage=coverage, granularity=granularity, masking=masking, seed=seed)
-    spec.parts  # noqa: B018 - checks that the coverage is 1/P
     return Plan(batch_axes=(axis,), execution=spec)

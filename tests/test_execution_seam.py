@@ -105,7 +105,7 @@ def test_a_mode_with_its_own_stored_layout():
     assert_trees_close(state.params, jax.tree.map(lambda x: 2 * x, step.params_of(state)))
     # Checkpoints hold the model's layout: the executor's conversions, both ways.
     layout = spmd.ModelLayout(step)
-    assert not layout.identity and spmd.ModelLayout(plain[1]).identity
+    assert not layout.is_identity and spmd.ModelLayout(plain[1]).is_identity
     model = layout.to_model(state)
     assert_trees_close(model.params, step.params_of(state))
     assert_trees_close(layout.from_model(model), state, rtol=0, atol=0)
@@ -132,3 +132,33 @@ def test_a_spec_without_an_executor_says_so():
     mesh = spmd.make_mesh({"data": -1})
     with pytest.raises(NotImplementedError, match=r"Unfinished.executor\(task\) must return"):
         spmd.TrainStep(_loss, optax.sgd(0.1), spmd.Plan(execution=Unfinished()), mesh, params=_init(jax.random.key(0)))
+
+
+@pytest.mark.slow
+def test_gradients_are_stored_like_the_arrays_they_train():
+    """ZeRO-2 lays gradients out on their own, and with block-aligned FSDP a gradient's padded shape can differ
+    from its parameter's: the step pads gradients (and the optimizer state) like the parameters they train."""
+    from spmd import data, models
+
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    mesh_axes = {"data": 2, "fsdp": 2, "tensor": 2}
+    plan = strategies.from_names("dp+zero2+fsdp", mesh_axes, block=32)
+    step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, spmd.make_mesh(mesh_axes), params=params)
+    rows = zip(step.layout.params.leaves, step.layout.grads.leaves, strict=True)
+    assert any(p.stored_shape != g.stored_shape for p, g in rows)  # the case this test is about
+    assert step.layout.trained is step.layout.params
+    one = spmd.TrainStep(
+        models.loss_fn(model),
+        optax.adam(1e-3),
+        spmd.Plan(),
+        spmd.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+        params=params,
+    )
+    out = []
+    for s in (step, one):
+        state = s.init(model.init, jax.random.key(0))
+        state, loss = s(state, data.batch(0, 0, 16, 32, 256))
+        out.append((float(loss), s.params_of(state)))
+    assert abs(out[0][0] - out[1][0]) < 1e-5
+    assert_trees_close(out[0][1], out[1][1])

@@ -123,6 +123,19 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     np.testing.assert_allclose(json.loads(out)["losses"], straight[2:], atol=1e-5)
 
 
+def test_the_one_device_reference_saves_nothing(capsys, tmp_path):
+    # --check trains a reference on one device after the run: the directory keeps the run's checkpoints alone.
+    ck = tmp_path / "ck"
+    code, out, _ = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "fsdp=8", "--strategy", "fsdp", "--steps",
+        "2", "--checkpoint-every", "1", "--checkpoint-dir", str(ck), "--check", "--json",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["max_abs_diff"] < 1e-4
+    assert sorted(os.listdir(ck)) == ["1", "2"]
+    record = json.loads((ck / "2" / "record" / "metadata").read_text())
+    assert record["mesh"] == {"fsdp": 8} and "fsdp(axis=fsdp" in record["plan"]
+
+
 def _stored_layout_step(kind, model):
     """A training step whose state is not stored in the model's own layout, and its mesh sizes."""
     if kind == "pipeline":  # stacked [stage, chunk, layer, ...], uneven stages padded
@@ -158,7 +171,7 @@ def test_every_stored_layout_converts_to_the_models_and_back(kind):
     step = _stored_layout_step(kind, model)
     state = step.init(model.init, jax.random.key(0))
     layout = spmd.ModelLayout(step)
-    assert not layout.identity
+    assert not layout.is_identity
     exported = layout.to_model(state)
     _same(exported.params, step.params_of(state))
     # What an unsharded Adam keeps: the model's parameters and two moments shaped like them.

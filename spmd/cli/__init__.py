@@ -21,9 +21,8 @@ from spmd._devices import backend_started, emulate_devices
 from spmd._rules import PlanError
 from spmd.cli.parser import UsageError, check, parser
 
-__all__ = ["COMMANDS", "UsageError", "main"]
+__all__ = ["UsageError", "main"]
 
-COMMANDS = ("plan", "run", "compare", "suggest", "schedule", "profile", "launch", "demo")
 _NO_DEVICES = ("schedule", "launch")  # a simulation, and a launcher of other processes
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from spmd import Report
 from spmd.cli.setup import Setup
-from spmd.execution import PipelineSpec
-from spmd.pipeline import split_layers
 from strategies import hetero
 
 __all__ = ["figures", "text"]
@@ -17,10 +15,8 @@ __all__ = ["figures", "text"]
 def figures(s: Setup, report: Report) -> dict[str, Any]:
     """``batch_shares`` or ``layers_per_stage``, the modelled step time of the even split and of the uneven one,
     their ratio, and the ideal ratio Σs / (N · min s)."""
-    spec = s.plan.execution
-    layers = None
-    if isinstance(spec, PipelineSpec):
-        layers = split_layers(s.model.config.layers, spec.schedule.total_stages, spec.layers_per_stage)
+    # A pipeline's layers per stage, as its engine placed them (an even split unless the plan says otherwise).
+    layers = report.execution.figures.get("layers_per_stage") if report.execution is not None else None
     return hetero.summary(
         s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time, layers
     )

@@ -44,14 +44,14 @@ class Setup:
         """The model's abstract annotated parameters."""
         return jax.eval_shape(self.model.init, jax.random.key(self.seed))
 
-    def step(self, *, mesh: jax.sharding.Mesh | None = None, plan: spmd.Plan | None = None) -> spmd.TrainStep:
-        """The training step of this setup (or of another mesh or plan, for the same model)."""
+    def step(self, *, plan: spmd.Plan | None = None) -> spmd.TrainStep:
+        """The training step of this setup (or of another plan, for the same model and mesh)."""
         model = self.model
         return spmd.TrainStep(
             models.loss_fn(model),
             self.optimizer,
             plan or self.plan,
-            mesh or self.mesh,
+            self.mesh,
             params=self.params,
             staged=model.staged,
             narrow=lambda kept: models.loss_fn(models.narrowed(model, kept)),

@@ -91,7 +91,9 @@ def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     """The same training on a single device (of this process), from the same initial parameters and data."""
     one = spmd.make_mesh({"data": 1}, devices=jax.local_devices()[:1])
     plain = Setup(s.model, one, spmd.Plan(), s.optimizer, s.hardware, None, s.batch_size, s.seed)
-    return train(plain, args, label="one device", quiet=quiet)
+    # The reference saves nothing: the run's checkpoints are the run's.
+    alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False})
+    return train(plain, alone, label="one device", quiet=quiet)
 
 
 def max_abs_diff(run: Trained, ref: Trained) -> float:
