@@ -123,14 +123,23 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     np.testing.assert_allclose(json.loads(out)["losses"], straight[2:], atol=1e-5)
 
 
-def test_the_one_device_reference_saves_nothing(capsys, tmp_path):
-    # --check trains a reference on one device after the run: the directory keeps the run's checkpoints alone.
-    ck = tmp_path / "ck"
+def test_the_one_device_reference_saves_nothing(capsys, tmp_path, monkeypatch):
+    # --check trains a reference on one device after the run: it opens no checkpoints of its own, and the
+    # directory keeps the run's alone.
+    ck, opened = tmp_path / "ck", []
+
+    class Counted(spmd.Checkpoints):
+        def __init__(self, directory, **options):
+            opened.append(directory)
+            super().__init__(directory, **options)
+
+    monkeypatch.setattr(spmd, "Checkpoints", Counted)
     code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "fsdp=8", "--strategy", "fsdp", "--steps",
         "2", "--checkpoint-every", "1", "--checkpoint-dir", str(ck), "--check", "--json",
     )  # fmt: skip
     assert code == 0 and json.loads(out)["max_abs_diff"] < 1e-4
+    assert opened == [str(ck)]
     assert sorted(os.listdir(ck)) == ["1", "2"]
     record = json.loads((ck / "2" / "record" / "metadata").read_text())
     assert record["mesh"] == {"fsdp": 8} and "fsdp(axis=fsdp" in record["plan"]
