@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import os
 from typing import Any
@@ -27,10 +26,11 @@ __all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg",
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """A command's model, mesh, plan, optimizer, hardware and device profile (None: homogeneous devices), with
-    the batch size and seed of its data."""
+    """A command's model (and its abstract annotated parameters), mesh, plan, optimizer, hardware and device
+    profile (None: homogeneous devices), with the batch size and seed of its data."""
 
     model: models.Model
+    params: Any
     mesh: jax.sharding.Mesh
     plan: spmd.Plan
     optimizer: optax.GradientTransformation
@@ -38,11 +38,6 @@ class Setup:
     profile: Profile | None
     batch_size: int
     seed: int
-
-    @functools.cached_property
-    def params(self) -> Any:
-        """The model's abstract annotated parameters."""
-        return jax.eval_shape(self.model.init, jax.random.key(self.seed))
 
     def step(self, *, plan: spmd.Plan | None = None) -> spmd.TrainStep:
         """The training step of this setup (or of another plan, for the same model and mesh)."""
@@ -84,8 +79,9 @@ def setup(
         profile = profile.reordered(order)
     name = model_name or args.model
     model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
+    params = jax.eval_shape(model.init, jax.random.key(args.seed))  # planned once, for every use
     hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)
-    plan = _plan(args, strategy or args.strategy, model, mesh, hardware, optimizer, profile)
+    plan = _plan(args, strategy or args.strategy, model, params, mesh, hardware, optimizer, profile)
     if isinstance(plan.execution, PipelineSpec) and model.staged is None:
         raise UsageError(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
@@ -93,13 +89,14 @@ def setup(
         )
     if plan.remat and name in models.BUILTIN:  # user factories need not know the option
         model = models.rematerialised(model)
-    return Setup(model, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed)
+    return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed)
 
 
 def _plan(
     args: argparse.Namespace,
     strategy: str,
     model: models.Model,
+    params: Any,
     mesh: jax.sharding.Mesh,
     hardware: costmodel.Hardware,
     optimizer: optax.GradientTransformation,
@@ -109,7 +106,7 @@ def _plan(
     context = None
     if set(strategy.split("+")) & set(strategies.CHOSEN) or uneven is not None:
         context = strategies.Context(
-            jax.eval_shape(model.init, jax.random.key(args.seed)),
+            params,
             costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len),
             hardware,
             optimizer,

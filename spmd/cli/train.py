@@ -90,7 +90,7 @@ def _on_host(tree: Any) -> Any:
 def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     """The same training on a single device (of this process), from the same initial parameters and data."""
     one = spmd.make_mesh({"data": 1}, devices=jax.local_devices()[:1])
-    plain = Setup(s.model, one, spmd.Plan(), s.optimizer, s.hardware, None, s.batch_size, s.seed)
+    plain = Setup(s.model, s.params, one, spmd.Plan(), s.optimizer, s.hardware, None, s.batch_size, s.seed)
     # The reference saves nothing: the run's checkpoints are the run's.
     alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False})
     return train(plain, alone, label="one device", quiet=quiet)
