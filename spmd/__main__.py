@@ -1,5 +1,3 @@
-import sys
+from spmd.cli import command_line
 
-from spmd.cli import main
-
-sys.exit(main())
+command_line()

@@ -8,18 +8,28 @@ step, with the shardings of its own layout, so orbax reads each array straight o
 lays it out as its plan stores it: saved under ``fsdp=8``, resumed under ``data=2,tensor=4`` or as a pipeline.
 Orbax writes a step to a temporary directory and renames it when complete, so a save killed halfway leaves the
 previous checkpoint as the latest.
+
+Nothing is lost or loaded silently wrong: the directory is locked while a run holds it open (a second writer is
+refused at once; the lock dies with its process, so a killed run leaves none behind); every saved array's
+checksum goes into the record and restore verifies it, naming a corrupt array and the previous step to resume
+from instead; a state holding NaN or inf is never saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmd._layout import pad, stored_abstract, unpad
@@ -28,7 +38,9 @@ from spmd._tree import unbox
 if TYPE_CHECKING:
     from spmd._train import TrainState, TrainStep
 
-__all__ = ["CheckpointError", "Checkpoints", "ModelLayout"]
+__all__ = ["CheckpointError", "Checkpoints", "ModelLayout", "digests"]
+
+_LOCK = ".spmd-lock"  # in the checkpoint directory; orbax reads only the steps' directories
 
 
 class CheckpointError(ValueError):
@@ -45,9 +57,10 @@ class CheckpointError(ValueError):
 
 
 def _let_pending_reads_finish(seconds: float = 2.0) -> None:
-    """After a failed restore, orbax has closed its event loop while the reads of the other arrays are still in
-    flight; each one that completes tries to schedule a callback on the closed loop and prints a traceback. Wait
-    for them with standard error silenced, so the error that matters is the only thing the user sees."""
+    """After a failed restore or save, orbax has closed its event loop while the reads or writes of the other
+    arrays are still in flight; each one that completes tries to schedule a callback on the closed loop and
+    prints a traceback. Wait for them with standard error silenced, so the error that matters is the only thing
+    the user sees."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -57,6 +70,76 @@ def _let_pending_reads_finish(seconds: float = 2.0) -> None:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@jax.jit
+def _digest_arrays(tree: Any) -> tuple[list[jax.Array], list[jax.Array]]:
+    def digest(x: jax.Array) -> jax.Array:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if x.dtype == jnp.bool_:
+            words = x.astype(jnp.uint32)
+        elif x.dtype.itemsize >= 4:  # 64-bit values become pairs of words
+            words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        else:
+            words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        # A sum and a position-weighted sum of the bits (Fletcher's idea), wrapping modulo 2**32: exact integer
+        # arithmetic, so the result is the same whatever the order of the reduction and the array's sharding.
+        position = jnp.arange(1, words.size + 1, dtype=jnp.uint32).reshape(words.shape)
+        return jnp.stack([words.sum(dtype=jnp.uint32), (words * position).sum(dtype=jnp.uint32)])
+
+    def finite(x: jax.Array) -> jax.Array:
+        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    return [digest(x) for x in leaves], [finite(x) for x in leaves]
+
+
+def digests(tree: Any) -> tuple[dict[str, str], list[str]]:
+    """A checksum of every array of ``tree`` by path (computed where the arrays are, without gathering them;
+    the same for any sharding of the same values), and the paths of the floating arrays holding NaN or inf.
+
+    >>> sums, nonfinite = digests({"w": np.arange(4.0, dtype=np.float32), "v": np.array([np.nan], np.float32)})
+    >>> sorted(sums), nonfinite
+    (["['v']", "['w']"], ["['v']"])
+    >>> digests({"w": np.arange(4.0, dtype=np.float32) + 1})[0]["['w']"] == sums["['w']"]  # another value
+    False
+    """
+    sums, finite = jax.device_get(_digest_arrays(tree))
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    text = {path: f"{int(s[0]):08x}{int(s[1]):08x}" for path, s in zip(paths, sums, strict=True)}
+    return text, [path for path, ok in zip(paths, finite, strict=True) if not ok]
+
+
+def _lock(directory: str) -> int:
+    """Creates ``directory`` if needed and takes its lock (an flock, released when the process ends however
+    it ends); returns the lock's descriptor. Raises :class:`CheckpointError` when the directory cannot be
+    written, or when another process holds it."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(
+            f"--checkpoint-dir {directory}: cannot write there ({e.strerror}); choose a writable directory"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CheckpointError(
+            f"--checkpoint-dir {directory} is in use by another run ({holder}); wait for it to end, or choose "
+            f"another --checkpoint-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+    return fd
+
+
+def _first_line(e: Exception) -> str:
+    """An exception in a few words: the first line, without TensorStore's pointer to its details."""
+    text = (str(e).splitlines() or [""])[0].split(". See full")[0]
+    return f"{type(e).__name__}: {text[:200]}"
 
 
 def _paths(tree: Any) -> dict[str, list[int]]:
@@ -74,7 +157,7 @@ class ModelLayout:
     >>> import spmd, optax, jax
     >>> params = {"w": jax.ShapeDtypeStruct((8, 8), "float32")}
     >>> mesh = spmd.make_mesh({"data": -1})
-    >>> step = spmd.TrainStep(lambda p, b: 0.0, optax.adam(0.1), spmd.Plan(), mesh, params=params)
+    >>> step = spmd.TrainStep(lambda p, b: 0.0, optax.adam(0.1), spmd.Plan(batch_axes=("data",)), mesh, params=params)
     >>> ModelLayout(step).is_identity  # a plain plan stores the model's layout: nothing to convert
     True
     """
@@ -149,6 +232,8 @@ def _map_like(f: Callable[[Any], Any], tree: Any, like: Any) -> Any:
 
 class Checkpoints:
     """Saves and restores a training state in ``directory`` (kept: the ``keep`` latest), with a JSON record.
+    The directory is locked from construction to :meth:`close` (only the first process of a multi-process
+    job takes the lock, as it is the one that commits the saves).
 
     >>> import tempfile, numpy as np
     >>> with tempfile.TemporaryDirectory() as d:
@@ -164,6 +249,15 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self.directory = os.path.abspath(directory)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"--checkpoint-dir {directory}: it is a file, not a directory; choose a directory")
+        self._lock = _lock(self.directory) if jax.process_index() == 0 else None
+        if self._lock is not None:
+            # Holding the lock, no other run is writing here: a step left unfinished (a save killed, or failed
+            # for lack of space) is garbage, and its space is needed.
+            for name in os.listdir(self.directory):
+                if name.endswith(".orbax-checkpoint-tmp") or ".orbax-checkpoint-tmp-" in name:
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=asynchronous, cleanup_tmp_directories=True
         )
@@ -171,27 +265,79 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, record: dict[str, Any]) -> None:
-        """Starts saving ``state`` as ``step`` (returns while orbax writes in the background)."""
+        """Starts saving ``state`` as ``step`` (returns while orbax writes in the background), with the
+        checksum of every array in the record. Raises :class:`CheckpointError`, saving nothing, when an array
+        holds NaN or inf, or when ``step`` is not after the latest saved step (orbax would skip it)."""
         ocp = self._ocp
-        record = {**record, "state": _paths(state)}
-        self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
-        )
+        latest = self.latest()
+        if latest is not None and step <= latest:
+            raise CheckpointError(
+                f"checkpoint step {step}: {self.directory} already holds step {latest}; saving would not replace "
+                f"it: resume from it, or save into another directory"
+            )
+        sums, nonfinite = digests(state)
+        if nonfinite:
+            kept = f"step {latest} stays the latest" if latest is not None else "nothing was saved"
+            raise CheckpointError(
+                f"checkpoint step {step} not saved: state{nonfinite[0]} holds NaN or inf ({len(nonfinite)} "
+                f"array(s) in all); {kept}"
+            )
+        record = {**record, "state": _paths(state), "checksums": sums}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
+        self._saving(lambda: self.manager.save(step, args=args))
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for the saves in flight; raises :class:`CheckpointError` if one failed."""
+        self._saving(self.manager.wait_until_finished)
+
+    def _saving(self, action: Callable[[], Any]) -> Any:
+        """Runs an orbax call that completes saves (a failure in the background surfaces at the next call),
+        turning a failure into one line: what failed, and which step is the latest whole one."""
+        try:
+            return action()
+        except Exception as e:  # noqa: BLE001 - orbax raises what its storage layer raised
+            _let_pending_reads_finish()
+            cause = (str(e).splitlines() or [type(e).__name__])[0].rsplit(": ", 1)[-1][:200]
+            latest = self.manager.latest_step()
+            kept = f"step {latest} is the latest whole checkpoint" if latest is not None else "none is whole"
+            raise CheckpointError(
+                f"saving a checkpoint into {self.directory} failed ({cause}); {kept}; free space there or choose "
+                f"another --checkpoint-dir, then --resume"
+            ) from None
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The JSON record saved with ``step`` (what made it: model, plan, mesh, the run's settings, the
+        state's paths, shapes and checksums)."""
+        try:
+            args = self._ocp.args.Composite(record=self._ocp.args.JsonRestore())
+            return self.manager.restore(step, args=args)["record"]
+        except Exception as e:  # noqa: BLE001 - any failure to read the record means the checkpoint is unusable
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} cannot be read ("
+                f"{_first_line(e)}); it is corrupt or incomplete: "
+                f"{self._instead(step)}"
+            ) from None
+
+    def clear(self) -> None:
+        """Deletes every saved step (what ``--overwrite`` asks for)."""
+        self.manager.wait_until_finished()
+        for step in self.steps():
+            self.manager.delete(step)
+
     def restore(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
         """The latest step, its state read into ``target``'s shapes and shardings (ShapeDtypeStructs, e.g.
         ``ModelLayout(step).abstract()``), and its record. Raises :class:`CheckpointError` when there is nothing
-        to resume, when it was saved from another model, or when it cannot be read."""
+        to resume, when it was saved from another model, or when it cannot be read or fails its checksums."""
         try:
             return self._restore(target)
         except CheckpointError:
-            self.manager.close()  # its background threads would otherwise outlive the error
+            self.close()  # its background threads would otherwise outlive the error
             raise
 
     def _restore(self, target: Any) -> tuple[int, Any, dict[str, Any]]:
@@ -201,14 +347,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"--resume: no checkpoint in {self.directory}; run without --resume first (with --checkpoint-dir)"
             )
-        try:
-            record = self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"]
-        except Exception as e:  # noqa: BLE001 - any failure to read the record means the checkpoint is unusable
-            raise CheckpointError(
-                f"--resume: checkpoint step {step} in {self.directory} cannot be read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}); it is corrupt or incomplete: delete that step's directory to "
-                f"resume from an earlier one"
-            ) from None
+        record = self.record(step)
         self._check_same_model(record, target, step)
         try:
             state = ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -217,10 +356,27 @@ class Checkpoints:
             _let_pending_reads_finish()
             raise CheckpointError(
                 f"--resume: the state of checkpoint step {step} in {self.directory} cannot be read "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is corrupt: delete that step's "
-                f"directory to resume from an earlier one"
+                f"({_first_line(e)}); it is corrupt: "
+                f"{self._instead(step)}"
             ) from None
+        saved = record.get("checksums")
+        if saved is not None:  # checkpoints written before checksums were recorded have none to verify
+            now, _ = digests(restored)
+            bad = [path for path in saved if now.get(path) != saved[path]]
+            if bad:
+                raise CheckpointError(
+                    f"--resume: checkpoint step {step} in {self.directory} is corrupt: state{bad[0]} does not "
+                    f"match the checksum it was saved with ({len(bad)} array(s) in all); {self._instead(step)}"
+                )
         return step, restored, record
+
+    def _instead(self, step: int) -> str:
+        """What to do about a step that cannot be used: resume from the one before it, if there is one."""
+        path = os.path.join(self.directory, str(step))
+        earlier = [s for s in self.steps() if s < step]
+        if earlier:
+            return f"move {path} aside to resume from step {earlier[-1]}"
+        return f"no earlier step is kept: move {path} aside and start again"
 
     def _check_same_model(self, record: dict[str, Any], target: Any, step: int) -> None:
         saved, now = record.get("state", {}), _paths(target)
@@ -234,6 +390,20 @@ class Checkpoints:
                     f"{record.get('plan')}); resume with the same model and optimizer, or use a new --checkpoint-dir"
                 )
 
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the saves in flight, then releases the directory (whether or not a save failed: the
+        failure is raised as :class:`CheckpointError`)."""
+        try:
+            self.wait()
+        finally:
+            with contextlib.suppress(Exception):  # a failed save's error was raised by wait()
+                self.manager.close()
+            if self._lock is not None:
+                os.close(self._lock)  # releases the flock
+                self._lock = None

@@ -1,6 +1,9 @@
-"""Emulated CPU devices, so that multi-device plans run on a laptop or a CI machine."""
+"""Emulated CPU devices, so that multi-device plans run on a laptop or a CI machine, and the memory each
+device has free."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 from jax._src import xla_bridge
@@ -37,3 +40,22 @@ def emulate_devices(n: int) -> None:
             f"or jit), or set XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python."
         )
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def free_memory(device: jax.Device) -> int | None:
+    """The bytes ``device`` can still allocate: an accelerator's limit less what it holds; for emulated CPU
+    devices, this host's available memory shared among this process's CPU devices. None when unknown.
+
+    >>> free_memory(jax.devices()[0]) > 0
+    True
+    """
+    if device.platform == "cpu":
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+        return available // max(1, len(jax.local_devices(backend="cpu")))
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -11,31 +12,46 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Emulated CPU devices are threads of one process: past this many, building a program for them takes minutes
+# (the spmd command refuses more with --devices), so no emulation is suggested for a larger mesh.
+MAX_EMULATED_DEVICES = 1024
+
+
+def _axis_problem(name: object, size: object) -> str | None:
+    """What is wrong with one axis (a name that is not an identifier, a size that is not a positive integer or
+    -1), or None. Python's keywords are refused too: an axis named ``None`` reads as "not split" in a spec."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or keyword.iskeyword(name):
+        return f"axis name {name!r} must be an identifier (letters, digits, _) that is not a Python keyword"
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+        return f"axis {name!r} has size {size!r}; sizes are positive integers (one axis may be -1 to infer it)"
+    return None
+
 
 def _check_axes(axes: Mapping[str, int], what: str) -> None:
-    if not axes:
-        raise ValueError(f"spmd.make_mesh: {what} is empty; give at least one axis, e.g. {{'data': 8}}")
+    example = "e.g. {'data': 2, 'tensor': 4}"
+    if not isinstance(axes, Mapping) or not axes:
+        raise ValueError(f"spmd.make_mesh: {what} {axes!r} must map axis names to sizes, {example}")
     for name, size in axes.items():
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ValueError(f"spmd.make_mesh: axis name {name!r} in {what} must be an identifier like 'data'")
-        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(
-                f"spmd.make_mesh: axis {name!r} has size {size!r} in {what}; sizes are positive integers "
-                f"(one axis may be -1 to take the remaining devices)"
-            )
+        problem = _axis_problem(name, size)
+        if problem:
+            raise ValueError(f"spmd.make_mesh: {what} {dict(axes)!r}: {problem}; {example}")
+    if sum(1 for size in axes.values() if size == -1) > 1:
+        raise ValueError(
+            f"spmd.make_mesh: {what} {dict(axes)!r} has more than one axis of size -1; at most one can be inferred"
+        )
 
 
-def resolve_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
-    """Fills in the one axis of size -1 so the sizes multiply to ``n_devices``; checks the product otherwise.
+def resolve_sizes(axes: Mapping[str, int], n_devices: int, *, platform: str = "cpu") -> dict[str, int]:
+    """Fills in the one axis of size -1 so the sizes multiply to ``n_devices``; checks the product otherwise (the
+    error says how to get more devices of ``platform``).
 
     >>> resolve_sizes({"data": -1, "tensor": 2}, 8)
     {'data': 4, 'tensor': 2}
     """
-    _check_axes(axes, "the mesh axes")
+    _check_axes(axes, "mesh")
     shown = ",".join(f"{k}={v}" for k, v in axes.items())
     inferred = [k for k, v in axes.items() if v == -1]
-    if len(inferred) > 1:
-        raise ValueError(f"spmd.make_mesh: mesh {shown} has more than one axis of size -1; at most one can be inferred")
     known = math.prod(v for v in axes.values() if v != -1)
     sizes = dict(axes)
     if inferred:
@@ -48,9 +64,28 @@ def resolve_sizes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
     elif known != n_devices:
         raise ValueError(
             f"spmd.make_mesh: mesh {shown} needs {known} devices but {n_devices} are present; make the sizes "
-            f"multiply to {n_devices} (or use -1 for one axis), or run with --devices {known} on CPU"
+            f"multiply to {n_devices} (or use -1 for one axis){_more_devices(known, platform)}"
         )
     return sizes
+
+
+def _more_devices(needed: int, platform: str) -> str:
+    """How to get ``needed`` devices where that can be done: a multi-process job gets its devices from its
+    launcher (a process's own --devices is refused there); a single process can emulate CPU devices, up to what
+    the spmd command emulates."""
+    if jax.process_count() > 1:
+        return (
+            f", or start the job with {needed} devices in all (under spmd launch: --processes × "
+            f"--devices-per-process = {needed})"
+        )
+    if needed > MAX_EMULATED_DEVICES:
+        return ""
+    if platform != "cpu":  # emulation replaces the accelerators by CPU devices: for planning, not for speed
+        return f", or plan it on {needed} emulated CPU devices (--devices {needed} with the spmd command)"
+    return (
+        f", or emulate {needed} CPU devices: spmd.emulate_devices({needed}) before JAX starts, or --devices {needed} "
+        f"with the spmd command"
+    )
 
 
 def make_mesh(
@@ -74,7 +109,7 @@ def make_mesh(
     (('data',), True)
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_sizes(axes, len(devices))
+    sizes = resolve_sizes(axes, len(devices), platform=devices[0].platform if devices else "cpu")
     names = tuple(sizes)
     shape = tuple(sizes.values())
     if dcn:
@@ -103,20 +138,33 @@ def make_mesh(
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """Parses ``"data=2,fsdp=2,tensor=2"`` (the CLI's ``--mesh``) into ordered axis sizes.
+    """Parses ``"data=2,fsdp=2,tensor=2"`` (the CLI's ``--mesh``) into ordered axis sizes: names are identifiers
+    (not Python keywords), each once; sizes positive integers, or -1 for at most one axis.
 
     >>> parse_mesh("data=2,tensor=-1")
     {'data': 2, 'tensor': -1}
+    >>> parse_mesh("data=1,None=2")
+    Traceback (most recent call last):
+    ...
+    ValueError: mesh 'data=1,None=2': axis name 'None' must be an identifier ... e.g. data=2,tensor=4
     """
+    example = "write axis=size pairs, e.g. data=2,tensor=4"
+    if not isinstance(text, str):
+        raise ValueError(f"mesh {text!r}: expected text like 'data=2,tensor=4'")
     axes: dict[str, int] = {}
     for part in text.split(","):
-        m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*", part)
+        m = re.fullmatch(r"\s*([^=\s]*)\s*=\s*(-?\d{1,9})\s*", part)
         if not m:
-            raise ValueError(f"--mesh {text!r}: cannot read {part!r}; write axis=size pairs like data=2,tensor=4")
+            raise ValueError(f"mesh {text!r}: cannot read {part!r}; {example}")
         name, size = m.group(1), int(m.group(2))
+        problem = _axis_problem(name, size)
+        if problem:
+            raise ValueError(f"mesh {text!r}: {problem}; {example}")
         if name in axes:
-            raise ValueError(f"--mesh {text!r}: axis {name!r} appears twice; give each axis once")
-        if size < 1 and size != -1:
-            raise ValueError(f"--mesh {text!r}: axis {name!r} has size {size}; sizes are positive (or -1 to infer)")
+            raise ValueError(f"mesh {text!r}: axis {name!r} appears twice; give each axis once, e.g. data=2,tensor=4")
         axes[name] = size
+    if sum(1 for size in axes.values() if size == -1) > 1:
+        raise ValueError(
+            f"mesh {text!r}: more than one axis of size -1; at most one can be inferred, e.g. data=-1,tensor=4"
+        )
     return axes

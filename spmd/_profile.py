@@ -139,32 +139,47 @@ class Profile:
         )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "device profile") -> Profile:
         """``{"devices": [{"kind": "h100", "speed": 3, "memory": 85899345920, "bandwidth": {"data": 4.5e11}}]}``
-        (memory may also be a string like ``"80GiB"``)."""
-        entries = data.get("devices") if isinstance(data, Mapping) else None
-        if not isinstance(entries, list) or not entries:
-            raise ValueError('device profile: expected {"devices": [{"kind": ..., "speed": ...}, ...]}')
-        out = []
-        for i, e in enumerate(entries):
-            if not isinstance(e, Mapping) or "speed" not in e:
-                raise ValueError(f"device profile: device {i} needs at least a speed, got {e!r}")
-            memory = e.get("memory")
-            if isinstance(memory, str):
-                memory = parse_bytes(memory, f"device profile: device {i} memory")
-            bandwidth = tuple(sorted((str(k), float(v)) for k, v in (e.get("bandwidth") or {}).items()))
-            out.append(Device(str(e.get("kind", f"device-{i}")), float(e["speed"]), memory, bandwidth))
-        return cls(tuple(out))
+        (memory may also be a string like ``"80GiB"``). A field of the wrong type or value raises ValueError
+        naming ``source``, the device and the field.
+
+        >>> Profile.from_dict({"devices": [{"speed": 2}, {"kind": "slow", "speed": 1}]}).speeds
+        (2.0, 1.0)
+        >>> Profile.from_dict({"devices": [{"speed": "fast"}]})
+        Traceback (most recent call last):
+        ...
+        ValueError: device profile: device 0: speed must be a positive number (relative throughput), got 'fast'
+        """
+        if not isinstance(data, Mapping) or not isinstance(data.get("devices"), list) or not data["devices"]:
+            got = f"{type(data).__name__} {_short(data)}"
+            raise ValueError(f'{source}: expected {{"devices": [{{"kind": ..., "speed": ...}}, ...]}}, got {got}')
+        extra = sorted(str(k) for k in data if k != "devices")
+        if extra:
+            raise ValueError(f"{source}: unknown field {extra[0]!r}; a profile holds only devices")
+        return cls(tuple(_device(entry, f"{source}: device {i}", i) for i, entry in enumerate(data["devices"])))
 
     @classmethod
     def load(cls, path: str) -> Profile:
+        """A profile from a JSON file (:meth:`to_dict`'s form, as ``spmd profile --out`` writes); a file that
+        cannot be read or holds no profile raises ValueError naming the file and the field."""
+        where = f"--device-profile {path!r}"
         try:
-            with open(path) as f:
-                return cls.from_dict(json.load(f))
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
         except FileNotFoundError:
-            raise ValueError(f"--device-profile {path!r}: no such file") from None
+            raise ValueError(f"{where}: no such file") from None
+        except OSError as e:  # a directory, no permission
+            raise ValueError(f"{where}: cannot read it ({e.strerror}); give a readable JSON file") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte offset {e.start}); save it as UTF-8 JSON") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--device-profile {path!r}: not valid JSON ({e})") from None
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+        return cls.from_dict(data, source=where)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +188,61 @@ class Profile:
                 for d in self.devices
             ]
         }
+
+
+_FIELDS = ("kind", "speed", "memory", "bandwidth")
+
+
+def _device(entry: Any, where: str, index: int) -> Device:
+    """One device of a profile file, each field checked for its type: a string where a number goes, or a
+    misspelt field, is an error rather than a guess."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f'{where}: expected an object like {{"kind": "h100", "speed": 3}}, got {_short(entry)}')
+    unknown = sorted(str(k) for k in entry if k not in _FIELDS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; the fields are {', '.join(_FIELDS)}")
+    if "speed" not in entry:
+        raise ValueError(f"{where}: missing field 'speed' (its throughput relative to the others, e.g. 3)")
+    speed = entry["speed"]
+    if not _number(speed) or not speed > 0:
+        raise ValueError(f"{where}: speed must be a positive number (relative throughput), got {_short(speed)}")
+    kind = entry.get("kind", f"device-{index}")
+    if not isinstance(kind, str):
+        raise ValueError(f"{where}: kind must be a string like 'h100', got {_short(kind)}")
+    memory = entry.get("memory")
+    if isinstance(memory, str):
+        memory = parse_bytes(memory, f"{where}: memory")
+    elif memory is not None:
+        if not _number(memory) or not memory >= 1:
+            raise ValueError(f"{where}: memory must be a size like '80GiB' or a number of bytes, got {_short(memory)}")
+        memory = int(memory)
+    bandwidth = entry.get("bandwidth")
+    bandwidth = {} if bandwidth is None else bandwidth
+    if not isinstance(bandwidth, Mapping):
+        raise ValueError(f'{where}: bandwidth must map mesh axes to bytes/s, e.g. {{"data": 4.5e11}}')
+    for axis, value in bandwidth.items():
+        # inf is allowed: a single device's measured all-reduce bandwidth is infinite (nothing to move)
+        if not _number(value, infinite=True) or not value > 0:
+            raise ValueError(
+                f"{where}: bandwidth of axis {axis!r} must be a positive number of bytes/s, got {_short(value)}"
+            )
+    return Device(kind, float(speed), memory, tuple(sorted((str(k), float(v)) for k, v in bandwidth.items())))
+
+
+def _number(value: Any, *, infinite: bool = False) -> bool:
+    """A JSON number that is a float: not a string, a boolean or NaN; infinity only if ``infinite``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        as_float = float(value)  # an integer of hundreds of digits overflows
+    except OverflowError:
+        return False
+    return not math.isnan(as_float) and (infinite or math.isfinite(as_float))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def measure(devices: Sequence[Any] | None = None, *, size: int = 1024, repeats: int = 5) -> Profile:

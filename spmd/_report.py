@@ -24,6 +24,7 @@ from spmd._hlo import Collective, collectives
 from spmd._layout import LeafLayout
 from spmd._plan import Plan
 from spmd._report_tables import tables
+from spmd._resolve import unused_axes
 from spmd.costmodel import StepTime, Traffic
 
 if TYPE_CHECKING:
@@ -223,6 +224,10 @@ def _warnings(
     rows, mesh = step.layout.params, step.mesh
     # Block padding is asked for and shown in the parameter table; other row notes are warnings.
     out = list(rows.unused_rules) + [f"{r.path}: {r.note}" for r in rows.leaves if r.note and r.padded_shape is None]
+    out += [
+        f"mesh axis {a!r} is used by no part of the plan: all work is replicated over it"
+        for a in unused_axes(step.plan, mesh)
+    ]
     flag = costmodel.compare(sum(c.traffic_bytes for c in inventory), sum(t.traffic_bytes for t in estimate.traffic))
     if flag:
         out.append(f"collective traffic: {flag}")

@@ -17,13 +17,22 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._layout import Layout, LeafLayout, row
-from spmd._rules import ROLES, Part, PlanError, assign_by_rules, entry, quote, to_spec
+from spmd._rules import ROLES, Part, PlanError, assign_by_rules, axis_used_twice, entry, quote, to_spec
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
 
-__all__ = ["PlanWarning", "activation_spec", "batch_shardings", "check_axes", "resolve", "sizes_of"]
+__all__ = [
+    "PlanWarning",
+    "activation_spec",
+    "batch_shardings",
+    "check_axes",
+    "check_unused_axes",
+    "resolve",
+    "sizes_of",
+    "unused_axes",
+]
 
 
 class PlanWarning(UserWarning):
@@ -147,8 +156,7 @@ class _Resolver:
             self.hits.update((p, i) for i in proposal.hits)
             covered = covered or proposal.covers
             self._merge(leaf, entries, sources, proposal.entries, part.source)
-        if self.sizes is not None:
-            self._check_axes(leaf, entries, sources)
+        self._check_axes(leaf, entries, sources)
         note = self._check_divisible(leaf, entries, sources)
         pads: dict[int, int] = {}
         for part in self.parts:
@@ -206,17 +214,16 @@ class _Resolver:
             entries[d], sources[d] = axes, source
 
     def _check_axes(self, leaf: Leaf, entries: list, sources: list) -> None:
+        """Axes the mesh lacks (with a mesh), and an axis on two dimensions (with or without one: such a spec
+        is invalid on every mesh, so planning without one must not let it through)."""
         seen: dict[str, int] = {}
         for d, axes in enumerate(entries):
             for a in axes:
-                if a not in self.sizes:
+                if self.sizes is not None and a not in self.sizes:
                     raise PlanError(f"{sources[d]} puts {leaf.path} on mesh axis {a!r}, which the mesh lacks")
                 if a in seen:
-                    raise PlanError(
-                        f"{leaf.path} {leaf.shape}: mesh axis {a!r} is used twice, on dimension {seen[a]} by "
-                        f"{sources[seen[a]]} and on dimension {d} by {sources[d]}; one axis can split only one "
-                        f"dimension, so change one of the two parts"
-                    )
+                    fix = "one axis can split only one dimension, so change one of the two parts"
+                    raise axis_used_twice(leaf, a, (seen[a], sources[seen[a]]), (d, sources[d]), fix)
                 seen[a] = d
 
     def _check_divisible(self, leaf: Leaf, entries: list, sources: list) -> str | None:
@@ -294,3 +301,31 @@ def activation_spec(
                 f"{shape[dim]}, not divisible by mesh axes {axes} ({ways} ways); change the sizes or the rules"
             )
     return to_spec(entries)
+
+
+def unused_axes(plan: Plan, mesh: Any) -> list[str]:
+    """The mesh axes (of more than one device) that no part of ``plan`` uses: everything is replicated over
+    them, so their devices repeat each other's work.
+
+    >>> import spmd
+    >>> unused_axes(spmd.Plan(batch_axes=("data",)), {"data": 2, "tensor": 4})
+    ['tensor']
+    """
+    used = set().union(*plan.axes_by_source().values())
+    return [axis for axis, size in sizes_of(mesh).items() if size > 1 and axis not in used]
+
+
+def check_unused_axes(plan: Plan, mesh: Any) -> None:
+    """Warns (:class:`PlanWarning`) about :func:`unused_axes`; under a strict plan raises :class:`PlanError`."""
+    unused = unused_axes(plan, mesh)
+    if not unused:
+        return
+    sizes = sizes_of(mesh)
+    text = (
+        f"mesh axis {', '.join(f'{a!r} ({sizes[a]} devices)' for a in unused)} is used by no part of the plan "
+        f"({plan.describe()}): every array and all work is replicated over it; remove it from the mesh or add a "
+        f"strategy that uses it"
+    )
+    if plan.strict:
+        raise PlanError(f"strict plan: {text}")
+    warnings.warn(text, PlanWarning, stacklevel=3)

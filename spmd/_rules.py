@@ -28,6 +28,7 @@ __all__ = [
     "ShardLargest",
     "assign_by_rules",
     "as_entries",
+    "axis_used_twice",
     "entry",
     "to_spec",
 ]
@@ -262,7 +263,33 @@ class LogicalRules:
             return None
         # A rule counts as used when its logical name occurs, even if an earlier rule took the dimension.
         hits = tuple(i for i, (logical, _) in enumerate(self.rules) if logical in leaf.names)
-        return Proposal(assign_by_rules(leaf.names, self.rules), hits=hits, covers=bool(hits))
+        entries = assign_by_rules(leaf.names, self.rules)
+        self._check_dropped(leaf, entries)
+        return Proposal(entries, hits=hits, covers=bool(hits))
+
+    def _check_dropped(self, leaf: Leaf, entries: Entries) -> None:
+        """Raises if a rule went unapplied because another rule gave its mesh axes to another dimension of the
+        same array. For activations that fallback is flax's convention (``heads`` before ``seq``), but a stored
+        array would silently lose a split the user asked for, where path rules raise for the same request. A
+        name with a rule to None, or a second rule for it, is a fallback the user wrote, and no error."""
+        names = leaf.names or ()
+        for d, name in enumerate(names):
+            mine = [(i, axes) for i, (logical, axes) in enumerate(self.rules) if logical == name]
+            if entries[d] or not mine or len(mine) > 1 or not mine[0][1]:
+                continue
+            i, axes = mine[0]
+            for e, other in enumerate(entries):
+                shared = [a for a in axes if a in other]
+                j = next((k for k, rule in enumerate(self.rules) if rule == (names[e], other)), i)
+                if shared and j != i:  # the same rule twice: the array repeats a name, its first dimension wins
+                    raise axis_used_twice(
+                        leaf,
+                        shared[0],
+                        (e, f"rule {_rule(self.rules[j])}"),
+                        (d, f"rule {_rule(self.rules[i])} of {self.source}"),
+                        f"one mesh axis can split only one dimension of an array, so map {name!r} or "
+                        f"{names[e]!r} to another mesh axis (or to None to keep it whole)",
+                    )
 
     def axes(self) -> frozenset[str]:
         return frozenset(a for _, axes in self.rules for a in axes)
@@ -275,6 +302,30 @@ class LogicalRules:
 
     def describe(self) -> str:
         return self.source
+
+
+def _rule(rule: tuple[str, tuple[str, ...]]) -> str:
+    name, axes = rule
+    value = None if not axes else axes[0] if len(axes) == 1 else axes
+    return f"({name!r}, {value!r})"
+
+
+def axis_used_twice(leaf: Leaf, axis: str, first: tuple[int, str], second: tuple[int, str], fix: str) -> PlanError:
+    """The error for one mesh axis splitting two dimensions of one array, naming both dimensions and who put the
+    axis on each (shared by path rules, logical rules and plans composed of several parts).
+
+    >>> from spmd._tree import leaves_with_paths
+    >>> import numpy as np
+    >>> (leaf,), _ = leaves_with_paths({"w": np.zeros((4, 4))})
+    >>> print(axis_used_twice(leaf, "tensor", (0, "rule a"), (1, "rule b"), "change one"))
+    w (4, 4): mesh axis 'tensor' is used twice, on dimension 0 by rule a and on dimension 1 by rule b; change one
+    """
+    (d1, by1), (d2, by2) = first, second
+    names = f" (logical axes {leaf.names})" if leaf.names is not None else ""
+    return PlanError(
+        f"{leaf.path} {leaf.shape}{names}: mesh axis {axis!r} is used twice, on dimension {d1} by {by1} and on "
+        f"dimension {d2} by {by2}; {fix}"
+    )
 
 
 def assign_by_rules(

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
+import math
+import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from numbers import Real
 from typing import Any, NamedTuple
@@ -66,21 +69,44 @@ class Action(NamedTuple):
         return f"{self.kind}(microbatch {self.microbatch}, chunk {self.chunk})"
 
 
-_CELL = re.compile(r"\s*(BW|F|B|W)\s*(\d+)(?:\.(\d+))?\s*")
+_CELL = re.compile(r"\s*(BW|F|B|W)\s*(\d{1,9})(?:\.(\d{1,9}))?\s*")
 
 
-def _parse_action(item: Any, where: str) -> Action:
+@functools.lru_cache(maxsize=1 << 14)
+def _read_cell(text: str) -> Action | None:
+    """A table's cells repeat (``F0`` on every device): one Action each saves the time and memory of many."""
+    m = _CELL.fullmatch(text)
+    return Action(m.group(1), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _shared(action: Action) -> Action:
+    """One object for equal actions read from a file: fewer live objects, less for the garbage collector."""
+    return action
+
+
+def _parse_action(item: Any, name: str, device: int, position: int) -> Action:
     if isinstance(item, Action):
         return item
     if isinstance(item, str):
-        m = _CELL.fullmatch(item)
-        if not m:
-            raise ScheduleError(f"{where}: cannot read action {item!r}; write F3, B3, W3 or BW3 (chunk: F3.1)")
-        return Action(m.group(1), int(m.group(2)), int(m.group(3) or 0))
-    if isinstance(item, Sequence) and len(item) in (2, 3):
+        action = _read_cell(item)
+        if action is not None:
+            return action
+    elif (
+        type(item) in (list, tuple)
+        and len(item) == 3
+        and type(item[0]) is str
+        and type(item[1]) is type(item[2]) is int
+    ):
+        return _shared(Action(*item))  # the common case, JSON's [kind, microbatch, chunk], checked quickly
+    elif isinstance(item, Sequence) and len(item) in (2, 3):
         kind, *rest = item
         if isinstance(kind, str) and all(isinstance(x, int) and not isinstance(x, bool) for x in rest):
-            return Action(kind, *rest)
+            return _shared(Action(kind, *rest))
+    # The message is built only here: this runs once per cell of tables of many thousand.
+    where = f"schedule {name}, device {device}, position {position}"
+    if isinstance(item, str):
+        raise ScheduleError(f"{where}: cannot read action {item!r}; write F3, B3, W3 or BW3 (chunk: F3.1)")
     raise ScheduleError(f"{where}: action {item!r} must be (kind, microbatch[, chunk]) or a string like 'F3'")
 
 
@@ -99,15 +125,19 @@ class Schedule:
     virtual: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ScheduleError(f"schedule {self.name}: microbatches must be a positive integer")
-        if not isinstance(self.virtual, int) or self.virtual < 1:
-            raise ScheduleError(f"schedule {self.name}: virtual (chunks per device) must be a positive integer")
+        for field, what in (("microbatches", "microbatches"), ("virtual", "virtual (chunks per device)")):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"schedule {self.name}: {what} must be a positive integer, got {_short(value)}")
+        if not _is_list(self.actions) or not all(_is_list(row) for row in self.actions):
+            raise ScheduleError(
+                f"schedule {self.name}: actions must hold one list of actions per device, e.g. "
+                f'[["F0", "BW0"], ["F0", "BW0"]]; got {_short(self.actions)}'
+            )
         if not self.actions:
             raise ScheduleError(f"schedule {self.name}: no devices; give one list of actions per stage device")
         rows = tuple(
-            tuple(_parse_action(a, f"schedule {self.name}, device {d}, position {i}") for i, a in enumerate(row))
-            for d, row in enumerate(self.actions)
+            tuple(_parse_action(a, self.name, d, i) for i, a in enumerate(row)) for d, row in enumerate(self.actions)
         )
         object.__setattr__(self, "actions", rows)
 
@@ -141,11 +171,12 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
-        """From :meth:`to_dict`'s form; ``actions`` may also hold strings like ``"F3"``."""
-        try:
-            return cls(str(data.get("name", "custom")), data["microbatches"], data["actions"], data.get("virtual", 1))
-        except KeyError as e:
-            raise ScheduleError(f"schedule file: missing field {e.args[0]!r} (need microbatches and actions)") from None
+        """From :meth:`to_dict`'s form; ``actions`` may also hold strings like ``"F3"``.
+
+        >>> Schedule.from_dict({"microbatches": 1, "actions": [["F0", "BW0"]]}).actions
+        ((Action(kind='F', microbatch=0, chunk=0), Action(kind='BW', microbatch=0, chunk=0)),)
+        """
+        return _from_dict(cls, data, "Schedule.from_dict", "custom")
 
     def to_csv(self) -> str:
         """One row per device, one cell per action (``F3``, ``B3``, ``W3``, ``BW3``; chunk ``c`` as ``F3.c``)."""
@@ -161,12 +192,14 @@ class Schedule:
         >>> Schedule.from_csv("F0,F1,BW0,BW1\\nF0,BW0,F1,BW1\\n").microbatches
         2
         """
-        rows = [[c for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+        try:
+            rows = [[c for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+        except csv.Error as e:  # a cell past the csv module's field size limit
+            raise ScheduleError(
+                f"schedule {name}: not a CSV table ({e}); write one row of actions per device"
+            ) from None
         rows = [row for row in rows if row]
-        actions = [
-            [_parse_action(c, f"schedule {name}, device {d}, position {i}") for i, c in enumerate(row)]
-            for d, row in enumerate(rows)
-        ]
+        actions = [[_parse_action(c, name, d, i) for i, c in enumerate(row)] for d, row in enumerate(rows)]
         if not actions:
             raise ScheduleError(f"schedule {name}: the table is empty; give one row of actions per device")
         m = 1 + max(a.microbatch for row in actions for a in row)
@@ -175,46 +208,152 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str) -> Schedule:
-        """A schedule from a ``.json`` (:meth:`to_dict`) or ``.csv`` (:meth:`to_csv`) file."""
-        with open(path) as f:
-            text = f.read()
-        if path.endswith(".json"):
+        """A schedule from a ``.json`` (:meth:`to_dict`) or ``.csv`` (:meth:`to_csv`) file (UTF-8); a file that
+        cannot be read or holds no table raises :class:`ScheduleError` naming the file.
+
+        >>> Schedule.load("no/such/table.csv")
+        Traceback (most recent call last):
+        ...
+        spmd._schedule.ScheduleError: schedule file no/such/table.csv: cannot read it (No such file or directory)...
+        """
+        where = f"schedule file {path}"
+        stem = os.path.splitext(os.path.basename(path))[0] or "custom"
+        try:
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+        except OSError as e:  # a directory, no permission, gone
+            raise ScheduleError(f"{where}: cannot read it ({e.strerror}); give a readable .json or .csv file") from None
+        except UnicodeDecodeError as e:
+            raise ScheduleError(
+                f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it as UTF-8"
+            ) from None
+        try:
+            if not path.endswith(".json"):
+                return cls.from_csv(text, name=stem)
             try:
-                return cls.from_dict(json.loads(text))
+                data = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ScheduleError(f"schedule file {path}: not valid JSON ({e})") from None
-        return cls.from_csv(text, name=path.rsplit("/", 1)[-1].rsplit(".", 1)[0])
+                raise ScheduleError(f"not valid JSON ({e})") from None
+            except RecursionError:
+                raise ScheduleError("not valid JSON (nested too deeply)") from None
+            return _from_dict(cls, data, where, stem)
+        except ScheduleError as e:
+            # The table's own errors name the schedule, not the file the user gave.
+            raise ScheduleError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
+
+
+def _from_dict(cls: type[Schedule], data: Any, where: str, name: str) -> Schedule:
+    """:meth:`Schedule.from_dict` with the checks a file needs: each field's type, before any work."""
+    fields = "an object with microbatches and actions (and optionally name, stages, virtual), as Schedule.to_dict"
+    if not isinstance(data, Mapping):
+        raise ScheduleError(f"{where}: expected {fields} writes; got {type(data).__name__} {_short(data)}")
+    missing = [k for k in ("microbatches", "actions") if k not in data]
+    if missing:
+        raise ScheduleError(f"{where}: missing field {missing[0]!r}; give {fields} writes")
+    actions, stages = data["actions"], data.get("stages")
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+        raise ScheduleError(f"{where}: stages must be a positive integer, got {_short(stages)}")
+    if stages is not None and _is_list(actions) and stages != len(actions):
+        raise ScheduleError(
+            f"{where}: stages is {stages} but actions has {len(actions)} row(s); give one row per device"
+        )
+    name = data.get("name", name)
+    if not isinstance(name, str):
+        raise ScheduleError(f"{where}: name must be a string, got {_short(name)}")
+    return cls(name, data["microbatches"], actions, data.get("virtual", 1))
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # --------------------------------------------------------------------------------------------- dependencies
-def _backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
-    """Per (global stage, microbatch): the kind that produces its input gradient, "B" or "BW"."""
-    out = {}
+# Results are named by integers, ``(stage · microbatches + microbatch) · 4 + kind``: on tables of many thousand
+# actions, hashing ints is several times cheaper than hashing (device, Action) tuples, and ints cost the
+# garbage collector nothing.
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
+_NONE = -1
+
+
+def _backward_kinds(schedule: Schedule) -> dict[int, int]:
+    """Per (global stage, microbatch), as ``stage · microbatches + microbatch``: the kind index that produces
+    its input gradient, B's or BW's."""
+    p, m, out = schedule.stages, schedule.microbatches, {}
     for d, row in enumerate(schedule.actions):
-        for a in row:
-            if a.kind in ("B", "BW"):
-                out[schedule.stage_of(d, a.chunk), a.microbatch] = a.kind
+        for kind, mb, c in row:
+            if kind in ("B", "BW"):
+                out[(c * p + d) * m + mb] = _KIND_INDEX[kind]
     return out
 
 
-def _dependencies(schedule: Schedule, device: int, action: Action, grads: Mapping) -> list[tuple[int, Action]]:
-    """The (device, action) pairs whose results ``action`` needs."""
-    s = schedule.stage_of(device, action.chunk)
-    mb = action.microbatch
-    here = lambda kind: (device, Action(kind, mb, action.chunk))  # noqa: E731
+def _keys_of(schedule: Schedule) -> Callable[[int, Action], tuple[int, int, int]]:
+    """``keys(device, action)``: the action's own result, the result it needs from its own device, and the one it
+    needs from the stage next to it (``_NONE`` where it needs none). A closure over the schedule's sizes: it runs
+    a few times per action on tables of many thousand."""
+    name, p, m, v = schedule.name, schedule.stages, schedule.microbatches, schedule.virtual
+    grads, kinds, stride, last = _backward_kinds(schedule), _KIND_INDEX, 4 * m, 4 * m * (p * v - 1)
 
-    def at(stage: int, kind: str) -> tuple[int, Action]:
-        d, c = schedule.where(stage)
-        return d, Action(kind, mb, c)
+    def keys(device: int, action: Action) -> tuple[int, int, int]:
+        kind, mb, c = action
+        k = kinds.get(kind)
+        if k is None or not 0 <= mb < m or not 0 <= c < v:
+            raise ScheduleError(
+                f"schedule {name}: device {device}: {action.describe()} has an unknown kind or is out of range "
+                f"(microbatches={m}, virtual={v}); validate the schedule first"
+            )
+        at = ((c * p + device) * m + mb) * 4  # F of this stage and microbatch
+        if k == 0:  # F: the previous stage's F
+            return at, _NONE, (at - stride if at >= stride else _NONE)
+        if k == 2:  # W: its own B
+            return at + 2, at + 1, _NONE
+        # B or BW: its own F, and the next stage's B or BW (the input gradient), unless this is the last stage
+        return at + k, at, (_NONE if at >= last else at + stride + grads.get(at // 4 + m, 1))
 
-    if action.kind == "F":
-        return [at(s - 1, "F")] if s > 0 else []
-    if action.kind == "W":
-        return [here("B")]
-    deps = [here("F")]
-    if s < schedule.total_stages - 1:
-        deps.append(at(s + 1, grads.get((s + 1, mb), "B")))
-    return deps
+    return keys
+
+
+def _describe(schedule: Schedule, key: int) -> tuple[int, Action]:
+    """The (device, action) that makes result ``key``."""
+    rest, k = divmod(key, 4)
+    stage, mb = divmod(rest, schedule.microbatches)
+    device, chunk = schedule.where(stage)
+    return device, Action(KINDS[k], mb, chunk)
+
+
+def _in_order(schedule: Schedule) -> Iterator[tuple[int, Action, int, int, int]]:
+    """Yields every action (device, action, and its :func:`_keys_of`) in an order the devices can run them: each
+    device's actions in its order, each after the results it needs. Raises :class:`ScheduleError` on a deadlock.
+
+    A blocked device waits on the one result it lacks and is woken when that is made, so each action is looked
+    at a bounded number of times; sweeping all devices until none moves is quadratic in the number of devices.
+    Any order that respects the needs gives the same times, so the result does not depend on this one.
+    """
+    rows, keys = schedule.actions, _keys_of(schedule)
+    position = [0] * len(rows)
+    done = {_NONE}
+    waiting: dict[int, list[int]] = {}
+    ready = list(range(len(rows)))
+    while ready:
+        d = ready.pop()
+        row, i = rows[d], position[d]
+        while i < len(row):
+            a = row[i]
+            key, same, other = keys(d, a)
+            if same not in done or other not in done:
+                waiting.setdefault(same if same not in done else other, []).append(d)
+                break
+            yield d, a, key, same, other
+            done.add(key)
+            ready.extend(waiting.pop(key, ()))
+            i += 1
+        position[d] = i
+    if any(position[d] < len(row) for d, row in enumerate(rows)):
+        raise ScheduleError(_deadlock(schedule, position, done, keys))
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -228,50 +367,63 @@ def validate(schedule: Schedule) -> Schedule:
     ...
     spmd._schedule.ScheduleError: schedule bad: device 1, position 0: BW(microbatch 0, chunk 0) comes before its F ...
     """
-    name, m, v = schedule.name, schedule.microbatches, schedule.virtual
     for d, row in enumerate(schedule.actions):
-        seen: dict[Action, int] = {}
-        for i, a in enumerate(row):
-            where = f"schedule {name}: device {d}, position {i}: {a.describe()}"
-            if a.kind not in KINDS:
-                raise ScheduleError(f"{where}: kind must be one of {', '.join(KINDS)}")
-            if not 0 <= a.microbatch < m:
-                raise ScheduleError(f"{where}: microbatch out of range 0..{m - 1}")
-            if not 0 <= a.chunk < v:
-                raise ScheduleError(f"{where}: chunk out of range 0..{v - 1} (virtual={v})")
-            if a in seen:
-                raise ScheduleError(f"{where}: repeats position {seen[a]}")
-            seen[a] = i
-        for mb in range(m):
-            for c in range(v):
-                has = {k: seen.get(Action(k, mb, c)) for k in KINDS}
-                what = f"schedule {name}: device {d}: microbatch {mb}, chunk {c}"
-                if has["F"] is None:
-                    raise ScheduleError(f"{what} has no F; every device runs F and a backward of each")
-                if has["BW"] is not None and (has["B"] is not None or has["W"] is not None):
-                    raise ScheduleError(f"{what} has BW and also B or W; use either BW or the pair B, W")
-                if has["BW"] is None and (has["B"] is None or has["W"] is None):
-                    missing = "B" if has["B"] is None else "W"
-                    extra = "" if has["B"] is not None or has["W"] is not None else " (no backward at all)"
-                    raise ScheduleError(f"{what} has no {missing}{extra}; give BW, or both B and W")
-                back = has["BW"] if has["BW"] is not None else has["B"]
-                if back < has["F"]:
-                    kind = "BW" if has["BW"] is not None else "B"
-                    raise ScheduleError(
-                        f"schedule {name}: device {d}, position {back}: {Action(kind, mb, c).describe()} comes "
-                        f"before its F (position {has['F']})"
-                    )
-                if has["W"] is not None and has["W"] < has["B"]:
-                    raise ScheduleError(
-                        f"schedule {name}: device {d}, position {has['W']}: {Action('W', mb, c).describe()} comes "
-                        f"before its B (position {has['B']})"
-                    )
-    simulate(schedule, Costs())  # raises on a deadlock
+        _check_row(schedule, d, row)
+    for _ in _in_order(schedule):  # raises on a deadlock; no times needed
+        pass
     return schedule
+
+
+def _check_row(schedule: Schedule, d: int, row: tuple[Action, ...]) -> None:
+    """Device ``d``'s own checks: each action well formed and once, each (microbatch, chunk) complete and in
+    order. Messages are built only on an error: this runs once per action on tables of many thousand."""
+    name, m, v = schedule.name, schedule.microbatches, schedule.virtual
+    seen: dict[tuple[str, int, int], int] = {}
+    for i, a in enumerate(row):
+        kind, mb, c = a
+        if kind not in KINDS or not 0 <= mb < m or not 0 <= c < v or a in seen:
+            where = f"schedule {name}: device {d}, position {i}: {a.describe()}"
+            if kind not in KINDS:
+                raise ScheduleError(f"{where}: kind must be one of {', '.join(KINDS)}")
+            if not 0 <= mb < m:
+                raise ScheduleError(f"{where}: microbatch out of range 0..{m - 1}")
+            if not 0 <= c < v:
+                raise ScheduleError(f"{where}: chunk out of range 0..{v - 1} (virtual={v})")
+            raise ScheduleError(f"{where}: repeats position {seen[a]}")
+        seen[a] = i
+    for mb in range(m):
+        for c in range(v):
+            f, b, w, bw = (seen.get((k, mb, c)) for k in KINDS)  # plain tuples hash and compare as Actions
+            # Complete: F, and either BW alone or both B and W.
+            incomplete = (b is None or w is None) if bw is None else (b is not None or w is not None)
+            if f is None or incomplete:
+                what = f"schedule {name}: device {d}: microbatch {mb}, chunk {c}"
+                if f is None:
+                    raise ScheduleError(f"{what} has no F; every device runs F and a backward of each")
+                if bw is not None:
+                    raise ScheduleError(f"{what} has BW and also B or W; use either BW or the pair B, W")
+                missing = "B" if b is None else "W"
+                extra = "" if b is not None or w is not None else " (no backward at all)"
+                raise ScheduleError(f"{what} has no {missing}{extra}; give BW, or both B and W")
+            back, kind = (bw, "BW") if bw is not None else (b, "B")
+            if back < f:
+                raise ScheduleError(
+                    f"schedule {name}: device {d}, position {back}: {Action(kind, mb, c).describe()} comes "
+                    f"before its F (position {f})"
+                )
+            if w is not None and w < b:
+                raise ScheduleError(
+                    f"schedule {name}: device {d}, position {w}: {Action('W', mb, c).describe()} comes "
+                    f"before its B (position {b})"
+                )
 
 
 # ----------------------------------------------------------------------------------------------- simulation
 def _exact(x: Real, what: str) -> Fraction:
+    if isinstance(x, bool) or not isinstance(x, Real):
+        raise ScheduleError(f"costs: {what} must be a number, got {_short(x)}")
+    if not isinstance(x, (int, Fraction)) and not math.isfinite(x):  # exact numbers are finite, and may be huge
+        raise ScheduleError(f"costs: {what} must be a finite number >= 0, got {x}")
     value = Fraction(x) if isinstance(x, (int, Fraction)) else Fraction(str(x))
     if value < 0:
         raise ScheduleError(f"costs: {what} must be >= 0, got {x}")
@@ -306,8 +458,10 @@ class Costs:
             values = [float(x) for x in text.split(",")]
         except ValueError:
             values = []
-        if len(values) not in (3, 4) or any(x < 0 for x in values):
-            raise ScheduleError(f"--costs {text!r}: give F,B,W (or F,B,W,comm) as non-negative numbers, e.g. 1,1,1")
+        if len(values) not in (3, 4) or not all(math.isfinite(x) and x >= 0 for x in values):  # nan, inf, 1e400
+            raise ScheduleError(
+                f"--costs {text!r}: give F,B,W (or F,B,W,comm) as finite non-negative numbers, e.g. 1,1,1"
+            )
         return cls(*values[:3], comm=values[3] if len(values) == 4 else 0)
 
     def of(self, kind: str, virtual: int) -> Fraction:
@@ -333,11 +487,23 @@ class Timeline:
     def makespan(self) -> Fraction:
         return max((row[-1] for row in self.ends if row), default=Fraction(0))
 
-    @property
-    def busy(self) -> tuple[Fraction, ...]:
-        return tuple(sum((e - s for s, e in zip(ss, es, strict=True)), Fraction(0)) for ss, es in self._rows())
+    @functools.cached_property
+    def _whole(self) -> tuple[int, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """Every start and end as a whole multiple of ``1/unit``, and the unit: sums and sorts of integers take a
+        fraction of the time of Fractions' on tables of many thousand actions. Computed once."""
+        unit = math.lcm(*{t.denominator for rows in (self.starts, self.ends) for row in rows for t in row})
 
-    @property
+        def whole(rows: tuple[tuple[Fraction, ...], ...]) -> tuple[tuple[int, ...], ...]:
+            return tuple(tuple(t.numerator * (unit // t.denominator) for t in row) for row in rows)
+
+        return unit, whole(self.starts), whole(self.ends)
+
+    @functools.cached_property
+    def busy(self) -> tuple[Fraction, ...]:
+        unit, starts, ends = self._whole
+        return tuple(Fraction(sum(es) - sum(ss), unit) for ss, es in zip(starts, ends, strict=True))
+
+    @functools.cached_property
     def span(self) -> tuple[Fraction, ...]:
         """Per device: from its first action's start to its last action's end."""
         return tuple((es[-1] - ss[0]) if ss else Fraction(0) for ss, es in self._rows())
@@ -347,7 +513,7 @@ class Timeline:
         """Per device: time inside its own span spent waiting."""
         return tuple(s - b for s, b in zip(self.span, self.busy, strict=True))
 
-    @property
+    @functools.cached_property
     def bubble_fraction(self) -> Fraction:
         """The largest, over devices, of idle time inside the device's span divided by that span."""
         return max((i / s for i, s in zip(self.idle, self.span, strict=True) if s), default=Fraction(0))
@@ -367,9 +533,10 @@ class Timeline:
 
     def _peak(self, closing: tuple[str, ...]) -> tuple[int, ...]:
         out = []
+        _, starts, ends = self._whole
         for d, row in enumerate(self.schedule.actions):
             events = []
-            for a, s, e in zip(row, self.starts[d], self.ends[d], strict=True):
+            for a, s, e in zip(row, starts[d], ends[d], strict=True):
                 if a.kind == "F":
                     events.append((s, 1))
                 elif a.kind in closing:
@@ -433,52 +600,59 @@ def simulate(
     (Fraction(3, 11), (4, 3, 2, 1))
     """
     costs = costs or Costs()
-    grads = _backward_kinds(schedule)
     p, v = schedule.stages, schedule.virtual
-    factor = (
-        [[Fraction(1)] * v for _ in range(p)] if scale is None else [[_exact(x, "scale") for x in row] for row in scale]
-    )
-    if len(factor) != p or any(len(row) != v for row in factor):
+    factor = None if scale is None else [[_exact(x, "scale") for x in row] for row in scale]
+    if factor is not None and (len(factor) != p or any(len(row) != v for row in factor)):
         raise ScheduleError(f"simulate: scale must give {v} factor(s) for each of the {p} devices")
-    ends: dict[tuple[int, Action], Fraction] = {}
-    starts: list[list[Fraction]] = [[] for _ in range(p)]
-    finish: list[list[Fraction]] = [[] for _ in range(p)]
-    position = [0] * p
-    free = [Fraction(0)] * p
-    remaining = sum(len(row) for row in schedule.actions)
-    while remaining:
-        progressed = False
-        for d, row in enumerate(schedule.actions):
-            while position[d] < len(row):
-                a = row[position[d]]
-                deps = _dependencies(schedule, d, a, grads)
-                if any(dep not in ends for dep in deps):
-                    break
-                ready = max([ends[dep] + (costs.comm if dep[0] != d else 0) for dep in deps], default=Fraction(0))
-                start = max(free[d], ready)
-                end = start + costs.of(a.kind, v) * factor[d][a.chunk]
-                ends[d, a] = end
-                starts[d].append(start)
-                finish[d].append(end)
-                free[d] = end
-                position[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError(_deadlock(schedule, position, ends, grads))
-    return Timeline(schedule, costs, tuple(map(tuple, starts)), tuple(map(tuple, finish)))
+    unit, op, comm, scaled = _in_units(costs, v, factor)
+    ends = {_NONE: 0}
+    starts: list[list[int]] = [[] for _ in range(p)]
+    finish: list[list[int]] = [[] for _ in range(p)]
+    free = [0] * p
+    remote = comm if p > 1 else 0  # the neighbouring stage is on another device unless there is one device
+    for d, a, key, same, other in _in_order(schedule):
+        start = max(free[d], ends[same], ends[other] + remote if other != _NONE else 0)
+        end = start + (op[a.kind] if scaled is None else scaled[d][a.chunk][a.kind])
+        ends[key] = end
+        starts[d].append(start)
+        finish[d].append(end)
+        free[d] = end
+    # Times repeat across devices: one Fraction for each distinct time.
+    exact = {t: Fraction(t, unit) for t in {t for rows in (starts, finish) for row in rows for t in row}}
+    starts_, ends_ = (tuple(tuple(map(exact.__getitem__, row)) for row in rows) for rows in (starts, finish))
+    return Timeline(schedule, costs, starts_, ends_)
 
 
-def _deadlock(schedule: Schedule, position: list[int], ends: Mapping, grads: Mapping) -> str:
+def _in_units(
+    costs: Costs, virtual: int, factor: list[list[Fraction]] | None
+) -> tuple[int, dict[str, int], int, list[list[dict[str, int]]] | None]:
+    """Op times as whole multiples of ``1/unit`` (the common denominator): the simulator adds and compares
+    integers, several times faster than Fractions, and converts once at the end. Returns the unit, the op
+    times, the comm time, and per device and chunk the op times scaled by ``factor`` (None without one)."""
+    op = {kind: costs.of(kind, virtual) for kind in KINDS}
+    times = list(op.values()) + [costs.comm]
+    if factor is not None:
+        times += [t * f for row in factor for f in row for t in op.values()]
+    unit = math.lcm(*(t.denominator for t in times))
+    whole = lambda t: int(t * unit)  # noqa: E731 - exact: unit is a multiple of t's denominator
+    scaled = None if factor is None else [[{k: whole(t * f) for k, t in op.items()} for f in row] for row in factor]
+    return unit, {k: whole(t) for k, t in op.items()}, whole(costs.comm), scaled
+
+
+def _deadlock(schedule: Schedule, position: list[int], done: Collection[int], keys: Callable) -> str:
     index = {(d, a): i for d, row in enumerate(schedule.actions) for i, a in enumerate(row)}
     for d, row in enumerate(schedule.actions):
         if position[d] == len(row):
             continue
         a = row[position[d]]
-        for dep in _dependencies(schedule, d, a, grads):
-            if dep not in ends:
-                dd, da = dep
-                at = f"device {dd}, position {index[dep]}" if dep in index else f"device {dd}, which never runs it"
+        for dep in keys(d, a)[1:]:
+            if dep not in done:
+                dd, da = _describe(schedule, dep)
+                at = (
+                    f"device {dd}, position {index[dd, da]}"
+                    if (dd, da) in index
+                    else f"device {dd}, which never runs it"
+                )
                 return (
                     f"schedule {schedule.name}: device {d}, position {position[d]}: {a.describe()} needs "
                     f"{da.describe()} ({at}) first, and that cannot run before it: the table deadlocks; reorder "

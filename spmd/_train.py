@@ -15,6 +15,7 @@ from spmd._context import activate
 from spmd._executor import Executor, Task, plain
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._plan import Plan
+from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
 from spmd._tree import unbox
 
@@ -64,7 +65,9 @@ class TrainStep:
     and the layout of the whole training state resolved: nothing about the step changes afterwards. A pipeline
     plan needs ``staged`` (the model cut into stages), a subnetwork plan with forward masking ``narrow``.
     Parameters are created already sharded by :meth:`init`, the state buffers are donated, and gradients are
-    constrained to their planned layout before the update. Each batch shape compiles once.
+    constrained to their planned layout before the update. Each batch shape compiles once. With
+    ``skip_nonfinite``, a step whose loss or gradients hold NaN or inf leaves the parameters and optimizer state
+    as they were (the step count still advances, as the data has); its loss says so.
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -89,9 +92,11 @@ class TrainStep:
         donate: bool = True,
         staged: StagedModel | None = None,
         narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         plan.check_mesh(mesh)
         self.loss_fn, self.optimizer, self.plan, self.mesh, self.donate = loss_fn, optimizer, plan, mesh, donate
+        self.skip_nonfinite = skip_nonfinite
         self.model_params = _abstract(params)  # the model's own layout, with its annotations
         task = Task(loss_fn, plan, mesh, self.model_params, staged, narrow)
         self.executor: Executor = plain(task) if plan.execution is None else plan.execution.executor(task)
@@ -106,6 +111,7 @@ class TrainStep:
         )
         self.grad_shardings = _named(mesh, self.layout.grads.specs)
         self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any]] = {}  # per batch signature, with its shardings
+        check_unused_axes(plan, mesh)  # once the step is built: a plan that fails says only why
 
     # -- the state ----------------------------------------------------------------------------------------
     def initializer(self, init_fn: Callable[[jax.Array], Any]) -> Callable[[jax.Array], TrainState]:
@@ -167,6 +173,13 @@ class TrainStep:
         trained = ex.to_trained(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
         params = ex.from_trained(optax.apply_updates(trained, updates))
+        if self.skip_nonfinite:
+            # Unlike optax.apply_if_finite, the loss counts too, and the optimizer state keeps its structure,
+            # so a checkpoint resumes under either setting.
+            finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+            ok = jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(finite)) if finite else True)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
         return TrainState(state.step + 1, params, opt_state), loss
 
     def batch_shardings(self, batch: Any) -> Any:

@@ -6,7 +6,7 @@ measured or declared, from which heterogeneous plans take their shares.
 (2.0, 1.0)
 """
 
-from spmd._devices import backend_started, emulate_devices
+from spmd._devices import backend_started, emulate_devices, free_memory
 from spmd._profile import Device, Profile, measure, parse_bytes
 
-__all__ = ["Device", "Profile", "backend_started", "emulate_devices", "measure", "parse_bytes"]
+__all__ = ["Device", "Profile", "backend_started", "emulate_devices", "free_memory", "measure", "parse_bytes"]

@@ -91,3 +91,12 @@ def test_subnet_script():
     assert ("dp", "-", "1") in rows and ("sdp", "block", "0.5") in rows, out
     memory = float(rows["sdp", "block", "0.5"][-2])
     assert 0.3 < memory < 0.8, out  # half the blocks plus the shared parameters
+
+
+@pytest.mark.slow
+def test_schedule_validation_script():
+    out = run_script("schedule_validation.py", "--rows", "100,300", "--repeats", "1")
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == {"100", "300"}, out
+    assert rows["300"][0].strip() == "1,200" and float(rows["300"][-1]) == 3.0, out  # gpipe, 2 microbatches
+    assert "growth 1,200/400 actions" in out, out

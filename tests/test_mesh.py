@@ -54,6 +54,54 @@ def test_parse_mesh_errors():
         spmd.parse_mesh("data=-3")
 
 
+@pytest.mark.parametrize(
+    "axes,message",
+    [
+        ({"data": 1, None: 8}, r"axis name None must be an identifier"),
+        ({"None": 8}, r"axis name 'None' must be an identifier .* not a Python keyword"),
+        ({"": 8}, r"axis name '' must be an identifier"),
+        ({"1x": 8}, r"axis name '1x' must be an identifier"),
+        ({"data": 8.0}, r"axis 'data' has size 8.0; sizes are positive integers"),
+        ({"data": True}, r"axis 'data' has size True"),
+        ({}, r"mesh \{\} must map axis names to sizes"),
+        ([("data", 8)], r"must map axis names to sizes"),
+    ],
+)
+def test_make_mesh_rejects_names_and_sizes_with_an_example(axes, message):
+    with pytest.raises(ValueError, match=message + r".*e\.g\. \{'data': 2, 'tensor': 4\}"):
+        spmd.make_mesh(axes)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("data=1,None=2", r"mesh 'data=1,None=2': axis name 'None' must be an identifier"),
+        ("1x=2", r"axis name '1x' must be an identifier"),
+        ("=2", r"axis name '' must be an identifier"),
+        ("data=-1,fsdp=-1", r"more than one axis of size -1"),
+        ("data=2,,", r"cannot read ''"),
+    ],
+)
+def test_parse_mesh_rejects_names_and_sizes_with_an_example(text, message):
+    with pytest.raises(ValueError, match=message + r".*e\.g\. data="):
+        spmd.parse_mesh(text)
+
+
+def test_a_mesh_too_large_to_emulate_is_not_offered_emulation():
+    with pytest.raises(ValueError, match=r"or --devices 16 with the spmd command"):
+        spmd.make_mesh({"data": 16})
+    with pytest.raises(ValueError, match=r"make the sizes multiply to 8 \(or use -1 for one axis\)$"):
+        spmd.make_mesh({"data": 4096})
+
+
+def test_in_a_multi_process_job_more_devices_come_from_the_launcher(monkeypatch):
+    # Under spmd launch a process's --devices is refused: the advice names the launcher's flags instead.
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"start the job with 16 devices in all \(under spmd launch: --processes") as e:
+        spmd.make_mesh({"data": 16})
+    assert "--devices 16" not in str(e.value) and "emulate" not in str(e.value)
+
+
 def test_emulate_devices_after_backend_start_says_how_to_fix():
     assert len(jax.devices()) == 8
     spmd.emulate_devices(8)  # what is already there: fine

@@ -76,6 +76,32 @@ def test_logical_rule_skips_axes_already_used_in_the_array():
     assert plan.specs({"w": boxed(("embed", "mlp"), 8, 8)}, SIZES)["w"] == P("fsdp", "tensor")
 
 
+@pytest.mark.parametrize("mesh", [SIZES, None])
+def test_two_logical_rules_giving_one_array_the_same_axis_is_an_error_naming_both(mesh):
+    # Without the error the kernel would silently keep one split of the two asked for; path rules raise too.
+    plan = Plan.from_logical_rules([("mlp", "tensor"), ("embed", "tensor")])
+    tree = {"wi": {"kernel": boxed(("embed", "mlp"), 8, 16)}, "scale": boxed(("embed",), 8)}
+    message = (
+        r"wi/kernel \(8, 16\) \(logical axes \('embed', 'mlp'\)\): mesh axis 'tensor' is used twice, on dimension 1 "
+        r"by rule \('mlp', 'tensor'\) and on dimension 0 by rule \('embed', 'tensor'\) of logical rules; .* map "
+        r"'embed' or 'mlp' to another mesh axis \(or to None"
+    )
+    with pytest.raises(PlanError, match=message):
+        plan.specs(tree, mesh)
+    # The same rules are legal where no array has both names, and a fallback the user wrote is no conflict.
+    with pytest.warns(PlanWarning, match="rule 'mlp' matched nothing"):
+        assert plan.specs({"scale": boxed(("embed",), 8)}, mesh) == {"scale": P("tensor")}
+    fallback = Plan.from_logical_rules([("mlp", "tensor"), ("embed", "tensor"), ("embed", None)])
+    assert fallback.specs(tree, mesh)["wi"]["kernel"] == P(None, "tensor")
+    # Activations keep flax's convention: the first rule whose axes are free wins (heads before seq).
+    assert plan.activation_spec(("embed", "mlp"), (8, 16), SIZES) == P(None, "tensor")
+
+
+def test_one_mesh_axis_on_two_dimensions_is_an_error_without_a_mesh_too():
+    with pytest.raises(PlanError, match=r"w \(4, 4\): mesh axis 'tensor' is used twice, on dimension 0 by rules"):
+        Plan.from_rules([("w", ("tensor", "tensor"))]).specs({"w": sds(4, 4)})
+
+
 # ------------------------------------------------------------------------------------------- composition
 def test_plans_compose_per_dimension():
     tp = Plan.from_rules([(r"kernel", (None, "tensor"))])

@@ -94,6 +94,12 @@ def test_a_dead_peer_stops_the_job_within_a_minute(tmp_path):
     assert "another task died" in err0 or "unhealthy" in err0, err0[-2000:]
 
 
+def _steps(directory):
+    """The saved steps of a checkpoint directory (beside them: the directory's lock file)."""
+    return sorted(name for name in os.listdir(directory) if name.isdigit())
+
+
+@pytest.mark.slow
 def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     ck = str(tmp_path / "ck")
     _, out, _ = run_cli(
@@ -112,7 +118,7 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     resumed = json.loads(out)["losses"]
     assert code == 0 and len(resumed) == 2
     np.testing.assert_allclose(resumed, straight[2:], atol=1e-5)
-    assert sorted(os.listdir(ck)) == ["2", "4"]
+    assert _steps(ck) == ["2", "4"]
     # A pipeline stores its layers stacked per stage; checkpoints hold the model's layout, so it resumes too.
     shutil.rmtree(os.path.join(ck, "4"))
     code, out, _ = run_cli(
@@ -140,7 +146,7 @@ def test_the_one_device_reference_saves_nothing(capsys, tmp_path, monkeypatch):
     )  # fmt: skip
     assert code == 0 and json.loads(out)["max_abs_diff"] < 1e-4
     assert opened == [str(ck)]
-    assert sorted(os.listdir(ck)) == ["1", "2"]
+    assert _steps(ck) == ["1", "2"]
     record = json.loads((ck / "2" / "record" / "metadata").read_text())
     assert record["mesh"] == {"fsdp": 8} and "fsdp(axis=fsdp" in record["plan"]
 

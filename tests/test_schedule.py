@@ -178,3 +178,74 @@ def test_cli_schedule_mistakes(capsys, args, message):
 
     code, _, err = run_cli(capsys, "schedule", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+# ----------------------------------------------------------------------------------------- large tables
+def reference_simulation(schedule, costs, scale=None):
+    """The simulator as first written: sweep all devices until none can move (quadratic in the devices, so
+    for small tables only); the linear one must give exactly its times."""
+    p, v = schedule.stages, schedule.virtual
+    grads = {
+        (a.chunk * p + d, a.microbatch): a.kind
+        for d, row in enumerate(schedule.actions)
+        for a in row
+        if a.kind in ("B", "BW")
+    }
+
+    def needs(d, a):
+        s = a.chunk * p + d
+        at = lambda stage, kind: (stage % p, Action(kind, a.microbatch, stage // p))  # noqa: E731
+        if a.kind == "F":
+            return [at(s - 1, "F")] if s else []
+        if a.kind == "W":
+            return [(d, Action("B", a.microbatch, a.chunk))]
+        nxt = [at(s + 1, grads.get((s + 1, a.microbatch), "B"))] if s < p * v - 1 else []
+        return [(d, Action("F", a.microbatch, a.chunk)), *nxt]
+
+    ends, starts, position, free = {}, [[] for _ in range(p)], [0] * p, [Fraction(0)] * p
+    while any(position[d] < len(row) for d, row in enumerate(schedule.actions)):
+        moved = False
+        for d, row in enumerate(schedule.actions):
+            while position[d] < len(row) and all(n in ends for n in needs(d, row[position[d]])):
+                a = row[position[d]]
+                ready = [ends[n] + (costs.comm if n[0] != d else 0) for n in needs(d, a)]
+                start = max([free[d], *ready])
+                factor = Fraction(1) if scale is None else Fraction(scale[d][a.chunk])
+                ends[d, a] = free[d] = start + getattr(costs, a.kind) / v * factor
+                starts[d].append(start)
+                position[d] += 1
+                moved = True
+        assert moved, "deadlock"
+    return [tuple(s) for s in starts], [tuple(ends[d, a] for a in row) for d, row in enumerate(schedule.actions)]
+
+
+@pytest.mark.parametrize("name", list(strategies.SCHEDULES))
+def test_simulator_gives_the_reference_times(name):
+    v = 2 if name in ("interleaved", "bfs") else 1
+    s = strategies.pipeline_schedule(name, stages=4, microbatches=8, virtual=v)
+    costs = Costs(F=1, B=Fraction(3, 2), W=0.5, comm=Fraction(1, 3))
+    scale = [[1 + d] * v for d in range(4)]
+    for args in ((Costs(), None), (costs, None), (costs, scale)):
+        t = simulate(s, args[0], scale=args[1])
+        assert (list(t.starts), list(t.ends)) == reference_simulation(s, *args)
+
+
+def test_a_large_table_loads_validates_and_simulates(tmp_path):
+    # 2,500 devices: the sweeping simulator took minutes on such a table; the answer is GPipe's closed form.
+    p, m = 2500, 2
+    (tmp_path / "big.csv").write_text(strategies.pipeline_schedule("gpipe", stages=p, microbatches=m).to_csv())
+    s = validate(Schedule.load(str(tmp_path / "big.csv")))
+    t = simulate(s)
+    assert s.stages == p and sum(map(len, s.actions)) == 2 * m * p
+    assert t.makespan == 3 * (m + p - 1) and t.bubble_fraction == Fraction(p - 1, m + p - 1)
+    assert t.peak_inflight == (m,) * p and t.busy == (3 * m,) * p
+    # and still finds a deadlock among 10,000 actions: the last device waits for F1 first, whose forward waits
+    # behind a backward that needs the last device's BW0.
+    rows = [list(map(str, row)) for row in s.actions]
+    rows[-2], rows[-1] = ["F0", "BW0", "F1", "BW1"], ["F1", "F0", "BW0", "BW1"]
+    (tmp_path / "bad.csv").write_text("\n".join(",".join(row) for row in rows))
+    needs = (
+        r"device 0, position 2: BW\(microbatch 0, chunk 0\) needs BW\(microbatch 0, chunk 0\) \(device 1, position 2\)"
+    )
+    with pytest.raises(ScheduleError, match=needs + " first.*deadlocks"):
+        validate(Schedule.load(str(tmp_path / "bad.csv")))

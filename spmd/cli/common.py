@@ -1,13 +1,37 @@
-"""What the commands' output shares: a console sized for parameter paths, and a loss curve in one line."""
+"""What the commands' output shares: a console sized for parameter paths, a loss curve in one line, and JSON
+that is always JSON."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
+from typing import Any
 
 from rich.console import Console
 
-__all__ = ["console", "sparkline"]
+__all__ = ["console", "dumps", "sparkline"]
+
+
+def dumps(value: Any) -> str:
+    """``value`` as one line of standard JSON: NaN and infinities (a skipped step's loss) become null, which
+    every JSON reader accepts; Python's own ``NaN`` is not JSON.
+
+    >>> dumps({"losses": [1.5, float("nan")], "diff": float("inf")})
+    '{"losses": [1.5, null], "diff": null}'
+    """
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(value), allow_nan=False)
 
 
 def console(stderr: bool = False) -> Console:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -12,7 +11,7 @@ import jax
 
 import spmd
 from spmd.cli import hetero
-from spmd.cli.common import console
+from spmd.cli.common import console, dumps
 from spmd.cli.parser import UsageError
 from spmd.cli.setup import Setup, setup
 
@@ -29,7 +28,7 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         _plot_compare(rows, args.plot)
     if args.json:
-        print(json.dumps(rows))
+        print(dumps(rows))
         return 0
     s = setups[-1][1]
     console().print(_compare_table(rows, s.model.name, s.mesh))

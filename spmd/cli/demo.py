@@ -4,7 +4,7 @@ bar, the same steps on one device, and a one-screen summary of what happened."""
 from __future__ import annotations
 
 import argparse
-import json
+import math
 
 import jax
 from rich.table import Table
@@ -12,8 +12,8 @@ from rich.table import Table
 import spmd
 from spmd import data
 from spmd.cli.common import console as make_console
-from spmd.cli.common import sparkline
-from spmd.cli.parser import DEMO
+from spmd.cli.common import dumps, sparkline
+from spmd.cli.parser import DEMO, UsageError
 from spmd.cli.setup import setup
 from spmd.cli.train import max_abs_diff, reference, train
 
@@ -23,6 +23,7 @@ TOLERANCE = 1e-4  # the largest difference from one device the demo calls a matc
 
 
 def command(args: argparse.Namespace) -> int:
+    _check_devices()
     s = setup(args, model_name=DEMO["model"], mesh_text=DEMO["mesh"], strategy=DEMO["strategy"])
     console = make_console()
     console.rule(
@@ -40,11 +41,26 @@ def command(args: argparse.Namespace) -> int:
     diff = max_abs_diff(run, ref)
     if args.json:
         out = {**reports[0].to_dict(), "losses": run.losses, "reference_losses": ref.losses, "max_abs_diff": diff}
-        print(json.dumps(out))
+        print(dumps(out))
         return 0 if diff <= TOLERANCE else 1
     console.rule("summary")
     console.print(_summary(reports[0], run.losses, diff, data.entropy_rate(args.seed, s.model.config.vocab)))
     return 0 if diff <= TOLERANCE else 1
+
+
+def _check_devices() -> None:
+    """The demo's mesh is fixed (it takes no --mesh), so a device count that does not fit it is fixed by the
+    device count: --devices in one process, the launcher's flags under spmd launch (where --devices is refused)."""
+    need = math.prod(spmd.parse_mesh(DEMO["mesh"]).values())
+    have = jax.device_count()
+    if have == need:
+        return
+    fix = (
+        f"start it with {need} devices in all (spmd launch --processes P --devices-per-process D with P × D = {need})"
+        if jax.process_count() > 1
+        else f"run it with --devices {need} (emulated CPU devices)"
+    )
+    raise UsageError(f"spmd demo runs on the mesh {DEMO['mesh']} of {need} devices and this run has {have}; {fix}")
 
 
 def _summary(report: spmd.Report, losses: list[float], diff: float, best: float) -> Table:

@@ -7,20 +7,31 @@ subnetwork data parallelism's granularities and maskings.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from collections.abc import Sequence
 from typing import NoReturn
 
 import strategies
+from spmd._mesh import MAX_EMULATED_DEVICES
 from spmd.costmodel import HARDWARE
 from spmd.devices import parse_bytes
 from spmd.execution import GRANULARITIES, MASKINGS
 
-__all__ = ["DEMO", "UsageError", "check", "parse_bandwidth", "parser"]
+__all__ = ["DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parser"]
 
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
     "microbatch", "processes", "devices_per_process", "checkpoint_every", "microbatches", "virtual", "stages",
 )  # fmt: skip
+MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators take 32-bit seeds
+MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program takes minutes to build
+# Flags that apply only where a part of the plan reads them: (flags, the strategy that does, what to say).
+_STRATEGY_FLAGS = (
+    (("coverage", "granularity", "masking"), "sdp", "subnetwork data parallelism"),
+    (("schedule", "microbatches", "virtual", "layers_per_stage"), "pp", "pipeline parallelism"),
+)
 
 
 class UsageError(Exception):
@@ -59,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")
     launch.add_argument("--processes", type=int, default=2, help="processes to start")
     launch.add_argument("--devices-per-process", type=int, default=4, help="CPU devices each process has")
+    launch.add_argument("--timeout", type=float, help="seconds the whole job may run (default: no limit); then 124")
+    launch.add_argument(
+        "--exit-grace", type=float, default=60.0, help="seconds the others may run after one exits 0; then 124"
+    )
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- spmd run ...")
     _schedule_flags(sub.add_parser("schedule", help="simulate a pipeline schedule: Gantt chart, bubble, memory"))
     profile = sub.add_parser("profile", help="measure the present devices: matmul speed, all-reduce bandwidth")
@@ -126,6 +141,13 @@ def _run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--checkpoint-dir", help="save the training state here (orbax; async, atomic)")
     run.add_argument("--checkpoint-every", type=int, help="save every K steps (default: at the end)")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint, on this mesh/plan")
+    run.add_argument("--overwrite", action="store_true", help="delete the checkpoints --checkpoint-dir holds first")
+    run.add_argument(
+        "--on-nan",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a non-finite loss stops the run (default), or its update is skipped (10 in a row stop it)",
+    )
 
 
 def _compare_flags(compare: argparse.ArgumentParser, suggest: argparse.ArgumentParser) -> None:
@@ -145,6 +167,32 @@ def _schedule_flags(schedule: argparse.ArgumentParser) -> None:
     schedule.add_argument("--plot", help="write a Gantt chart PNG to this file")
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line parsed and checked (see :func:`check`), with the flags it names in ``args.given``.
+
+    >>> sorted(parse(["plan", "--mesh", "data=8", "--seed", "1"]).given)
+    ['mesh', 'seed']
+    """
+    args = parser().parse_args(argv)
+    args.given = explicit(argv)
+    check(args)
+    return args
+
+
+def explicit(argv: Sequence[str] | None) -> set[str]:
+    """The options a command line names itself (whatever their values), as argparse destinations: the same
+    grammar with every default removed.
+
+    >>> sorted(explicit(["run", "--steps", "10", "--check"]))
+    ['check', 'steps']
+    """
+    top = parser()
+    for sub in top._subparsers._group_actions[0].choices.values():  # noqa: SLF001 - argparse keeps them here
+        for action in sub._actions:  # noqa: SLF001
+            action.default = argparse.SUPPRESS
+    return set(vars(top.parse_args(argv))) - {"command"}
+
+
 def check(args: argparse.Namespace) -> None:
     """Checks what argparse cannot and turns text values into their types (sizes, bandwidths, counts).
 
@@ -152,10 +200,49 @@ def check(args: argparse.Namespace) -> None:
     >>> check(args); args.memory_per_device, args.layers_per_stage
     (1024, (3, 1))
     """
+    _check_numbers(args)
+    for flag in ("plot", "out"):
+        if getattr(args, flag, None):
+            _check_writable(getattr(args, flag), f"--{flag}")
+    if args.command in ("schedule", "profile", "launch"):
+        return
+    if getattr(args, "resume", False) and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir: the directory to resume from")
+    if getattr(args, "resume", False) and args.check:
+        raise UsageError("--check compares a run from its first step with one device; it cannot follow --resume")
+    if getattr(args, "resume", False) and args.overwrite:
+        raise UsageError("--resume continues the checkpoints that --overwrite would delete: give one of them")
+    for flag in ("checkpoint_every", "overwrite"):
+        if getattr(args, flag, None) and not args.checkpoint_dir:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to checkpoints: give --checkpoint-dir too")
+    if getattr(args, "memory_per_device", None) is not None:
+        args.memory_per_device = parse_bytes(args.memory_per_device, "--memory-per-device")
+    elif args.command == "suggest":
+        raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
+    if getattr(args, "axis_bandwidth", None) is not None:
+        args.axis_bandwidth = parse_bandwidth(args.axis_bandwidth)
+    _check_applies(args, getattr(args, "given", set()))
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
     for name in _POSITIVE:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if getattr(args, "devices", None) is not None and args.devices > MAX_DEVICES:
+        raise UsageError(
+            f"--devices {args.devices}: at most {MAX_DEVICES} emulated CPU devices on one host; plan a larger "
+            f"mesh with spmd suggest's cost model, or run on that many devices"
+        )
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed must be an integer from 0 to {MAX_SEED}, got {seed}")
+    lr = getattr(args, "lr", None)
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise UsageError(f"--lr must be a positive finite number, got {lr}")
+    coverage = getattr(args, "coverage", None)
+    if coverage is not None and not 0 < coverage <= 1:
+        raise UsageError(f"--coverage must be in (0, 1], got {coverage}")
     if getattr(args, "layers_per_stage", None) is not None:
         try:
             args.layers_per_stage = tuple(int(x) for x in args.layers_per_stage.split(","))
@@ -163,20 +250,52 @@ def check(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"--layers-per-stage {args.layers_per_stage!r}: give one count per global stage, e.g. 3,3,1,1"
             ) from None
-    if args.command in ("schedule", "profile", "launch"):
-        return
-    if getattr(args, "resume", False) and not args.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir: the directory to resume from")
-    if getattr(args, "resume", False) and args.check:
-        raise UsageError("--check compares a run from its first step with one device; it cannot follow --resume")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
-    if getattr(args, "memory_per_device", None) is not None:
-        args.memory_per_device = parse_bytes(args.memory_per_device, "--memory-per-device")
-    elif args.command == "suggest":
-        raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
-    if getattr(args, "axis_bandwidth", None) is not None:
-        args.axis_bandwidth = parse_bandwidth(args.axis_bandwidth)
+
+
+def _check_applies(args: argparse.Namespace, given: set[str]) -> None:
+    """Flags that the chosen command or strategy would ignore are errors, not silently dropped."""
+    if "strategy" in given and args.command in ("compare", "suggest"):
+        instead = "give the strategies to compare with --strategies" if args.command == "compare" else "it ranks them"
+        raise UsageError(f"--strategy does not apply to {args.command}: {instead}")
+    specs = args.strategies.split(",") if args.command == "compare" else [getattr(args, "strategy", "")]
+    names = {name for spec in specs for name in spec.split("+")}
+    if args.command != "suggest":
+        for flags, strategy, what in _STRATEGY_FLAGS:
+            for flag in flags:
+                if flag in given and strategy not in names:
+                    raise UsageError(
+                        f"--{flag.replace('_', '-')} applies to {what}, which --strategy does not include "
+                        f"({strategy}); add {strategy} or remove the flag"
+                    )
+    if str(getattr(args, "schedule", "")).endswith((".json", ".csv")):
+        for flag in ("microbatches", "virtual"):
+            if flag in given:
+                raise UsageError(f"--{flag}: the schedule table {args.schedule} fixes it; remove the flag")
+    profiled = {"device_speeds", "device_memory", "device_profile"} & given
+    for flag in ("even", "microbatch"):
+        if flag in given and not profiled:
+            raise UsageError(
+                f"--{flag} applies to uneven devices: give --device-speeds or --device-profile, or remove it"
+            )
+    bandwidth = getattr(args, "axis_bandwidth", None) or {}
+    axes = [item.partition("=")[0].strip() for item in str(getattr(args, "mesh", "")).split(",")]
+    absent = [axis for axis in bandwidth if axis not in axes]
+    if absent and (args.command != "suggest" or "mesh" in given):  # suggest's own meshes name their axes
+        raise UsageError(f"--axis-bandwidth names {absent[0]!r}, which the mesh {args.mesh} has not; use its axes")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Output files are checked before any work: one that cannot be written would lose it."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror}); choose a writable place") from None
+    if not existed:
+        os.remove(path)
 
 
 def parse_bandwidth(text: str) -> dict[str, float]:

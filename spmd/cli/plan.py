@@ -4,11 +4,10 @@ is measured against data parallelism on the same mesh."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import spmd
 from spmd.cli import hetero
-from spmd.cli.common import console
+from spmd.cli.common import console, dumps
 from spmd.cli.setup import setup
 from spmd.execution import SubnetSpec
 
@@ -24,7 +23,7 @@ def command(args: argparse.Namespace) -> int:
         report = report.with_data_parallel(spmd.report(data_parallel, s.abstract_batch(), hardware=s.hardware))
     info = hetero.figures(s, report) if s.profile is not None else {}
     if args.json:
-        print(json.dumps({"model": s.model.name, **report.to_dict(), **info}))
+        print(dumps({"model": s.model.name, **report.to_dict(), **info}))
         return 0
     console().print(report)
     if info:

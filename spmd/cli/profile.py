@@ -7,6 +7,7 @@ import json
 
 import jax
 
+from spmd.cli.common import dumps
 from spmd.devices import measure
 
 __all__ = ["command"]
@@ -18,5 +19,5 @@ def command(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
-    print(json.dumps(data))
+    print(dumps(data))
     return 0

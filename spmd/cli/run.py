@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import jax
 
 from spmd import costmodel
-from spmd.cli.common import console
+from spmd.cli.common import console, dumps
 from spmd.cli.setup import setup
 from spmd.cli.train import max_abs_diff, reference, train
 from spmd.execution import PipelineSpec, Shares
@@ -34,6 +33,8 @@ def command(args: argparse.Namespace) -> int:
         out["batch_shares"] = list(spec.shares)
     if isinstance(spec, PipelineSpec):
         out["layers_per_stage"] = list(spec.layers_per_stage or ())
+    if args.on_nan == "skip":
+        out["skipped_steps"] = list(run.skipped)
     if args.checkpoint_dir:
         out["checkpoint_step"] = args.steps
     if args.check and jax.process_index() == 0:  # one device of the first process is the reference
@@ -41,10 +42,12 @@ def command(args: argparse.Namespace) -> int:
         out["reference_losses"] = ref.losses
         out["max_abs_diff"] = max_abs_diff(run, ref)
     if args.json:
-        print(json.dumps(out))
+        print(dumps(out))
         return 0
     c = console()
     c.print(f"losses: {' '.join(f'{x:.4f}' for x in run.losses)}")
+    if run.skipped:
+        c.print(f"skipped (non-finite loss, state kept): steps {', '.join(map(str, run.skipped))}")
     if "max_abs_diff" in out:
         c.print(f"one device: {' '.join(f'{x:.4f}' for x in out['reference_losses'])}")
         c.print(f"max |difference| over losses and parameters: {out['max_abs_diff']:.2e}")

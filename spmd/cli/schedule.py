@@ -7,14 +7,26 @@ import json
 
 import strategies
 from spmd.cli.common import console as make_console
+from spmd.cli.parser import UsageError
 from spmd.cli.setup import schedule_arg
 from spmd.pipeline import Costs, gantt_text, plot_gantt, simulate, validate
 
 __all__ = ["command"]
 
 
+# A text chart has a row per device and a column per time unit: past this many devices it is neither readable
+# nor small (it grows as devices × time units), so the figures are printed without it.
+CHART_DEVICES = 256
+
+
 def command(args: argparse.Namespace) -> int:
     """Simulates the schedule: no devices needed."""
+    costs = Costs.parse(args.costs) if args.costs else Costs()  # checked before a table is read
+    if args.schedule.endswith((".json", ".csv")):
+        # A table fixes its devices, microbatches and chunks: a flag for them would be silently ignored.
+        for flag in ("stages", "microbatches", "virtual"):
+            if flag in getattr(args, "given", ()):
+                raise UsageError(f"--{flag}: the schedule table {args.schedule} fixes it; remove the flag")
     table = schedule_arg(args.schedule)
     if isinstance(table, str):
         table = strategies.pipeline_schedule(
@@ -22,7 +34,7 @@ def command(args: argparse.Namespace) -> int:
         )
     else:
         validate(table)
-    timeline = simulate(table, Costs.parse(args.costs) if args.costs else Costs())
+    timeline = simulate(table, costs)
     if args.plot:
         import matplotlib
 
@@ -41,7 +53,14 @@ def command(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]{s.name}[/]: {s.stages} stages, {s.microbatches} microbatches, {s.virtual} chunk(s) per device"
     )
-    console.print(gantt_text(timeline), highlight=False, soft_wrap=True)
+    if s.stages <= CHART_DEVICES:
+        console.print(gantt_text(timeline), highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            f"(no chart for {s.stages} devices, more than {CHART_DEVICES}: --json lists every action with its start "
+            f"and end)",
+            highlight=False,
+        )
     busy = " ".join(f"{float(b):g}" for b in timeline.busy)
     console.print(
         f"makespan {float(timeline.makespan):g}, bubble fraction {float(timeline.bubble_fraction):.4f} "

@@ -27,7 +27,8 @@ __all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg",
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """A command's model (and its abstract annotated parameters), mesh, plan, optimizer, hardware and device
-    profile (None: homogeneous devices), with the batch size and seed of its data."""
+    profile (None: homogeneous devices), with the batch size and seed of its data, and what a step does with a
+    non-finite loss (``on_nan``: ``stop`` applies the update and the run stops; ``skip`` keeps the state)."""
 
     model: models.Model
     params: Any
@@ -38,6 +39,7 @@ class Setup:
     profile: Profile | None
     batch_size: int
     seed: int
+    on_nan: str = "stop"
 
     def step(self, *, plan: spmd.Plan | None = None) -> spmd.TrainStep:
         """The training step of this setup (or of another plan, for the same model and mesh)."""
@@ -50,6 +52,7 @@ class Setup:
             params=self.params,
             staged=model.staged,
             narrow=lambda kept: models.loss_fn(models.narrowed(model, kept)),
+            skip_nonfinite=self.on_nan == "skip",
         )
 
     def batch(self, step: int) -> dict[str, Any]:
@@ -70,7 +73,7 @@ def setup(
 ) -> Setup:
     """The setup the command line asks for (``model_name``, ``mesh_text``, ``strategy``: instead of the flags').
     Strategies the cost model chooses get their context here, and a device profile makes the plan uneven."""
-    mesh = spmd.make_mesh(spmd.parse_mesh(mesh_text or args.mesh), dcn=_dcn(args))
+    mesh = _mesh(spmd.parse_mesh(mesh_text or args.mesh), _dcn(args))
     profile = profile_of(args, mesh.size)
     if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1:
         # Devices of one kind together, so that the groups along the inner axes stay inside one kind.
@@ -89,7 +92,8 @@ def setup(
         )
     if plan.remat and name in models.BUILTIN:  # user factories need not know the option
         model = models.rematerialised(model)
-    return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed)
+    on_nan = getattr(args, "on_nan", "stop")
+    return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed, on_nan)
 
 
 def _plan(
@@ -129,6 +133,21 @@ def _plan(
         subnet_options=subnet,
         block=getattr(args, "block", None),
     )
+
+
+def _mesh(shape: dict[str, int], dcn: dict[str, int] | None) -> jax.sharding.Mesh:
+    if dcn is None:
+        return spmd.make_mesh(shape)
+    # What --dcn splits: slices on multi-slice TPU, else processes (as spmd.make_mesh groups devices).
+    slices = len({getattr(d, "slice_index", None) for d in jax.devices()} - {None})
+    granules = slices if slices > 1 else jax.process_count()
+    if math.prod(dcn.values()) != granules:
+        raise UsageError(
+            f"--dcn {','.join(f'{a}={n}' for a, n in dcn.items())}: the axes span {math.prod(dcn.values())} "
+            f"{'slices' if slices > 1 else 'processes'} between them, and this job has {granules}; give --dcn "
+            f"sizes whose product is {granules}" + (", or leave --dcn out in a single process" if granules == 1 else "")
+        )
+    return spmd.make_mesh(shape, dcn=dcn)
 
 
 def _dcn(args: argparse.Namespace) -> dict[str, int] | None:

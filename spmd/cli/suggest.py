@@ -4,7 +4,6 @@ memory budget; the best few compiled on the devices present (emulated CPU device
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import spmd
 from spmd import costmodel, models
 from spmd.cli.common import console as make_console
+from spmd.cli.common import dumps
 from spmd.cli.setup import hardware_of, optimizer_of
 from strategies import suggest as search
 
@@ -56,7 +56,7 @@ def command(args: argparse.Namespace) -> int:
             "ranked": [s.to_dict() for s in confirmed],
             "skipped": skipped,
         }
-        print(json.dumps(out))
+        print(dumps(out))
     else:
         _show(args, model.name, devices, hardware.name, confirmed, skipped, best, why)
     return 0 if best is not None else 1
@@ -78,10 +78,25 @@ def _show(
         console.print(f"... {len(confirmed) - args.top} more plans (--top to show them); {len(skipped)} skipped")
     console.print(f"[bold]pick:[/] {why}" if best is not None else f"[red]{why}")
     if best is not None:
-        shown = ",".join(f"{k}={v}" for k, v in best.mesh.items())
-        console.print(f"run it: spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}")
+        console.print(f"run it: {_run_command(args, best)}", highlight=False)
         for note in best.plan.notes:
             console.print(f"note: {note}")
+
+
+def _run_command(args: argparse.Namespace, best: Any) -> str:
+    """``spmd run`` for the pick, with the flags the ranking depended on: without them run would lay out another
+    job (its own batch size and layers; 8 emulated devices where suggest had --devices 64; osdp priced for
+    another device) or refuse it (osdp needs --memory-per-device)."""
+    shown = ",".join(f"{k}={v}" for k, v in best.mesh.items())
+    parts = [f"spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}"]
+    if args.devices is not None:
+        parts.append(f"--devices {args.devices}")
+    if args.layers:
+        parts.append(f"--layers {args.layers}")
+    if args.device_kind:  # the cost model's device, which chooses osdp's layout
+        parts.append(f"--device-kind {args.device_kind}")
+    parts.append(f"--batch-size {args.batch_size} --memory-per-device {args.memory_per_device}")
+    return " ".join(parts)
 
 
 def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: str) -> Any:

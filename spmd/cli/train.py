@@ -4,6 +4,9 @@ single-device reference ``--check`` compares with, and the comparison."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -21,11 +24,13 @@ __all__ = ["Trained", "max_abs_diff", "reference", "train"]
 
 
 class Trained(NamedTuple):
-    """What a run leaves: the losses of the steps it ran, the final parameters on the host, the step."""
+    """What a run leaves: the losses of the steps it ran, the final parameters on the host, the step, and the
+    steps whose update was skipped (a non-finite loss under ``--on-nan skip``)."""
 
     losses: list[float]
     params: Any
     step: spmd.TrainStep | None
+    skipped: tuple[int, ...] = ()
 
 
 def train(
@@ -37,9 +42,33 @@ def train(
     before: Callable[[spmd.TrainStep], None] | None = None,
 ) -> Trained:
     """Trains up to step ``args.steps`` (from a checkpoint with ``--resume``, saving with ``--checkpoint-dir``).
-    ``before(step)`` runs once the step is compiled, before training (the demo prints its report there)."""
+    ``before(step)`` runs once the step is compiled, before training (the demo prints its report there).
+    A non-finite loss stops the run (or, with ``--on-nan skip``, its update is skipped)."""
     step = s.step()
-    checkpoints = _checkpoints(args)
+    checkpoints = _checkpoints(args, _run_record(s))
+    try:
+        trained = _loop(s, args, step, checkpoints, label=label, quiet=quiet, before=before)
+    except BaseException:
+        if checkpoints is not None:
+            with contextlib.suppress(Exception):  # the error on its way out is the one to report
+                checkpoints.close()
+        raise
+    if checkpoints is not None:
+        checkpoints.close()  # the saves in flight complete: every step saved is whole
+    return trained
+
+
+def _loop(
+    s: Setup,
+    args: argparse.Namespace,
+    step: spmd.TrainStep,
+    checkpoints: spmd.Checkpoints | None,
+    *,
+    label: str,
+    quiet: bool,
+    before: Callable[[spmd.TrainStep], None] | None,
+) -> Trained:
+    _check_fits(s, step.compile(s.abstract_batch()), hasattr(args, "strategy"))  # before any array is made
     layout = spmd.ModelLayout(step)
     start = 0
     if getattr(args, "resume", False):
@@ -50,32 +79,136 @@ def train(
             raise UsageError(f"--resume: the checkpoint is at step {start}; --steps {args.steps} asks for none more")
     else:
         state = step.init(s.model.init, jax.random.key(s.seed))
-    step.compile(s.batch(0))
     if before is not None:
         before(step)
     every = getattr(args, "checkpoint_every", None) or args.steps
-    record = {"model": s.model.name, "plan": s.plan.describe(), "mesh": dict(s.mesh.shape)}
+    guard = _Guard(getattr(args, "on_nan", "stop"), checkpoints, start)
     losses = []
     with Progress(transient=True, disable=quiet, console=console(stderr=True)) as bar:
         task = bar.add_task(label, total=args.steps - start)
         for i in range(start, args.steps):
             state, loss = step(state, s.batch(i))
             losses.append(float(loss))
+            guard.check(i + 1, losses[-1])
             bar.update(task, advance=1, description=f"{label} loss {losses[-1]:.3f}")
             if checkpoints is not None and ((i + 1) % every == 0 or i + 1 == args.steps):
-                checkpoints.save(i + 1, layout.to_model(state), record)
-    if checkpoints is not None:
-        checkpoints.close()
-    return Trained(losses, _on_host(step.params_of(state)), step)
+                checkpoints.save(i + 1, layout.to_model(state), _run_record(s))
+                guard.saved = i + 1
+    return Trained(losses, _on_host(step.params_of(state)), step, tuple(guard.skipped))
 
 
-def _checkpoints(args: argparse.Namespace) -> spmd.Checkpoints | None:
+def _check_fits(s: Setup, compiled: jax.stages.Compiled, strategy_flag: bool) -> None:
+    """Refuses a step whose compiled memory (arguments, temporaries) does not fit in what each device has free,
+    with the batch made on the host beside it: better than being killed for memory with no message."""
+    from spmd._report import memory_of
+
+    need = memory_of(compiled).get("peak_bytes")
+    free = spmd.devices.free_memory(s.mesh.devices.flat[0])
+    if need is None or free is None:
+        return
+    host_batch = s.batch_size * s.model.config.seq_len * 4  # int32 tokens, on the host before placement
+    if s.mesh.devices.flat[0].platform == "cpu":
+        need += host_batch // max(1, len(jax.local_devices()))
+    if need > free:
+        raise UsageError(
+            f"--batch-size {s.batch_size}: the step needs {spmd.format_bytes(need)} per device and "
+            f"{s.mesh.devices.flat[0].platform} devices have {spmd.format_bytes(free)} free; use a smaller "
+            f"--batch-size" + (" or a --strategy that splits more (fsdp, zero3, tp)" if strategy_flag else "")
+        )
+
+
+# A run skipping non-finite steps stops after this many in a row: by then the data is not the cause.
+MAX_SKIPPED_IN_A_ROW = 10
+
+
+class _Guard:
+    """What a run does about a non-finite loss: stop (naming the step and the last checkpoint saved), or count
+    it as skipped (the step kept the state as it was) and stop after :data:`MAX_SKIPPED_IN_A_ROW` in a row."""
+
+    def __init__(self, policy: str, checkpoints: spmd.Checkpoints | None, start: int) -> None:
+        self.policy, self.checkpoints = policy, checkpoints
+        self.saved = start if checkpoints is not None and start else None
+        self.skipped: list[int] = []
+
+    def check(self, step: int, loss: float) -> None:
+        if math.isfinite(loss):
+            return
+        self.skipped.append(step)
+        in_a_row = len(self.skipped) >= MAX_SKIPPED_IN_A_ROW and self.skipped[-MAX_SKIPPED_IN_A_ROW] == (
+            step - MAX_SKIPPED_IN_A_ROW + 1
+        )
+        if self.policy == "skip" and not in_a_row:
+            return
+        if self.saved is not None:
+            last = f"the last checkpoint is step {self.saved} in {self.checkpoints.directory} (--resume continues it)"
+        else:
+            last = "no checkpoint was saved"
+        row = f", {MAX_SKIPPED_IN_A_ROW} steps in a row" if self.policy == "skip" else ""
+        advice = "" if self.policy == "skip" else ", or pass --on-nan skip to skip such steps"
+        raise RuntimeError(
+            f"step {step}: the loss is {loss}{row}; the run stops and saves nothing more; {last}; lower --lr{advice}"
+        )
+
+
+def _run_record(s: Setup) -> dict[str, Any]:
+    """What identifies a run in its checkpoints: the model, the data (seed, batch size), the plan and mesh."""
+    return {
+        "model": s.model.name,
+        "seed": s.seed,
+        "batch_size": s.batch_size,
+        "plan": s.plan.describe(),
+        "mesh": dict(s.mesh.shape),
+    }
+
+
+def _describe_run(record: dict[str, Any]) -> str:
+    mesh = ",".join(f"{axis}={size}" for axis, size in (record.get("mesh") or {}).items())
+    return (
+        f"{record.get('model')}, {record.get('plan')} on {mesh}, seed {record.get('seed')}, "
+        f"batch {record.get('batch_size')}"
+    )
+
+
+def _checkpoints(args: argparse.Namespace, run: dict[str, Any]) -> spmd.Checkpoints | None:
+    """The run's checkpoint directory, opened (and locked). A directory holding checkpoints is another run's
+    unless ``--resume`` continues it (with the same model and data) or ``--overwrite`` deletes them: saving
+    after them would skip every step up to theirs."""
     directory = getattr(args, "checkpoint_dir", None)
     if directory is None:
         return None
-    if getattr(args, "resume", False) and not os.path.isdir(directory):
+    resume = getattr(args, "resume", False)
+    if resume and not os.path.isdir(directory):
         raise UsageError(f"--resume: checkpoint directory {directory!r} does not exist")
-    return spmd.Checkpoints(directory)
+    checkpoints = spmd.Checkpoints(directory)
+    try:
+        latest = checkpoints.latest()
+        if latest is not None and getattr(args, "overwrite", False):
+            checkpoints.clear()
+        elif latest is not None and not resume:
+            raise UsageError(
+                f"--checkpoint-dir {directory} already holds checkpoints up to step {latest} of a run "
+                f"({_describe_run(checkpoints.record(latest))}); this run ({_describe_run(run)}) would not "
+                f"save over them: continue it with --resume, choose a new --checkpoint-dir, or pass --overwrite "
+                f"to delete them"
+            )
+        elif latest is not None:
+            _check_same_run(checkpoints.record(latest), run, latest, directory)
+    except Exception:
+        checkpoints.close()
+        raise
+    return checkpoints
+
+
+def _check_same_run(saved: dict[str, Any], run: dict[str, Any], step: int, directory: str) -> None:
+    """Resuming continues the saved run: the same model and the same data stream (the plan and mesh may
+    change). Checkpoints saved before these were recorded are taken as they are."""
+    for key, flag in (("model", "--model"), ("seed", "--seed"), ("batch_size", "--batch-size")):
+        if key in saved and saved[key] != run[key]:
+            raise UsageError(
+                f"--resume: checkpoint step {step} in {directory} was saved by a run with {flag} {saved[key]}, "
+                f"this run has {flag} {run[key]}; resume with {flag} {saved[key]}, or start a new run in another "
+                f"--checkpoint-dir"
+            )
 
 
 def _on_host(tree: Any) -> Any:
@@ -90,19 +223,30 @@ def _on_host(tree: Any) -> Any:
 def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     """The same training on a single device (of this process), from the same initial parameters and data."""
     one = spmd.make_mesh({"data": 1}, devices=jax.local_devices()[:1])
-    plain = Setup(s.model, s.params, one, spmd.Plan(), s.optimizer, s.hardware, None, s.batch_size, s.seed)
+    plain = dataclasses.replace(s, mesh=one, plan=spmd.Plan(), profile=None)  # the same non-finite policy too
     # The reference saves nothing: the run's checkpoints are the run's.
-    alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False})
+    alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False, "overwrite": False})
     return train(plain, alone, label="one device", quiet=quiet)
 
 
 def max_abs_diff(run: Trained, ref: Trained) -> float:
-    """The largest difference between two runs' losses and final parameters.
+    """The largest difference between two runs' losses and final parameters; two non-finite losses at one step
+    (both runs skipped it) agree, one alone differs infinitely.
 
     >>> a = Trained([1.0, 0.5], {"w": np.ones(2)}, None)
     >>> max_abs_diff(a, Trained([1.0, 0.4], {"w": np.ones(2)}, None))
     0.09999999999999998
+    >>> max_abs_diff(Trained([float("nan")], {}, None), Trained([float("nan")], {}, None))
+    0.0
+    >>> max_abs_diff(Trained([float("nan")], {}, None), Trained([1.0], {}, None))
+    inf
     """
-    diffs = [abs(a - b) for a, b in zip(run.losses, ref.losses, strict=True)]
+    diffs = [_loss_diff(a, b) for a, b in zip(run.losses, ref.losses, strict=True)]
     pairs = zip(jax.tree.leaves(run.params), jax.tree.leaves(ref.params), strict=True)
     return max(diffs + [float(np.max(np.abs(a - b))) for a, b in pairs])
+
+
+def _loss_diff(a: float, b: float) -> float:
+    if math.isfinite(a) and math.isfinite(b):
+        return abs(a - b)
+    return 0.0 if not math.isfinite(a) and not math.isfinite(b) else math.inf

@@ -130,16 +130,23 @@ def loss_fn(model: Model) -> Callable[[Any, Mapping[str, jax.Array]], jax.Array]
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of ``logits[:, t]`` against ``tokens[:, t + 1]``, in float32.
+    """Mean cross-entropy of ``logits[:, t]`` against ``tokens[:, t + 1]``, in float32. A token id outside
+    the vocabulary (``[0, logits.shape[-1])``) makes the loss NaN: embedding lookups and labels clamp such ids
+    to a plausible loss, which a non-finite guard (``--on-nan``, ``TrainStep(skip_nonfinite=True)``) catches.
 
     >>> loss = jax.jit(next_token_loss)(jnp.zeros((2, 5, 4)), jnp.zeros((2, 5), jnp.int32))
     >>> round(float(loss), 4)  # uniform logits over a vocabulary of 4: log 4
     1.3863
+    >>> float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.array([[0, 4]])))  # id 4 of a vocabulary of 4
+    nan
     """
     # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
     # prediction, which has no target.
     logits = logits[:, :-1].astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    outside = (tokens < 0) | (tokens >= logits.shape[-1])
+    # Marked per position, so the NaN travels through the mean's own reduction: no collective of its own.
+    return jnp.where(outside[:, 1:] | outside[:, :-1], jnp.nan, losses).mean()
 
 
 def _example_tokens(config: LMConfig) -> jax.Array:
@@ -431,8 +438,19 @@ def get(name: str, **overrides: Any) -> Model:
             f"unknown model {name!r}; known models: {', '.join(sorted(BUILTIN))}, "
             "or 'package.module:factory' for your own"
         )
-    result = _user_factory(name)(**overrides)
+    factory = _user_factory(name)
+    try:
+        result = factory(**overrides)
+    except Exception as e:  # noqa: BLE001 - the user's code: say where it failed, in one line
+        takes = f" with {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else ""
+        raise ValueError(
+            f"--model {name!r}: calling the factory{takes} failed ({type(e).__name__}: {e}); a factory takes the "
+            f"LMConfig fields it is given as keyword arguments and returns a flax module or an spmd Model"
+        ) from e
     if isinstance(result, Model):
         return result
     config = LMConfig(**{k: v for k, v in overrides.items() if k in _FIELDS})
-    return from_module(result, name=name, config=config)
+    try:
+        return from_module(result, name=name, config=config)
+    except TypeError as e:
+        raise ValueError(f"--model {name!r}: the factory returned the wrong thing: {e}") from e
