@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "Checkpoints", "ModelLayout", "digests"]
 
 _LOCK = ".spmd-lock"  # in the checkpoint directory; orbax reads only the steps' directories
+_COMMITTED = "_CHECKPOINT_METADATA"  # what orbax writes into each step it saved
 
 
 class CheckpointError(ValueError):
@@ -77,6 +78,10 @@ def _digest_arrays(tree: Any) -> tuple[list[jax.Array], list[jax.Array]]:
     def digest(x: jax.Array) -> jax.Array:
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
+        if jnp.iscomplexobj(x):
+            x = jnp.stack([x.real, x.imag], axis=-1)
+        if x.dtype != jnp.bool_ and jax.dtypes.itemsize_bits(x.dtype) < 8:
+            x = x.astype(jnp.int8 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32)  # int4, float4: exact
         if x.dtype == jnp.bool_:
             words = x.astype(jnp.uint32)
         elif x.dtype.itemsize >= 4:  # 64-bit values become pairs of words
@@ -88,27 +93,33 @@ def _digest_arrays(tree: Any) -> tuple[list[jax.Array], list[jax.Array]]:
         position = jnp.arange(1, words.size + 1, dtype=jnp.uint32).reshape(words.shape)
         return jnp.stack([words.sum(dtype=jnp.uint32), (words * position).sum(dtype=jnp.uint32)])
 
-    def finite(x: jax.Array) -> jax.Array:
-        return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    def bad(x: jax.Array) -> jax.Array:  # (holds NaN, holds inf)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.zeros(2, bool)
+        return jnp.stack([jnp.any(jnp.isnan(x)), jnp.any(jnp.isinf(x))])
 
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    return [digest(x) for x in leaves], [finite(x) for x in leaves]
+    return [digest(x) for x in leaves], [bad(x) for x in leaves]
 
 
 def digests(tree: Any) -> tuple[dict[str, str], list[str]]:
     """A checksum of every array of ``tree`` by path (computed where the arrays are, without gathering them;
-    the same for any sharding of the same values), and the paths of the floating arrays holding NaN or inf.
+    the same for any sharding of the same values), and the paths of the arrays that must not be saved: those
+    holding NaN, and parameters (paths starting ``.params``, as a TrainState's) holding inf. An optimizer state
+    may hold inf on purpose (a best value not yet seen).
 
-    >>> sums, nonfinite = digests({"w": np.arange(4.0, dtype=np.float32), "v": np.array([np.nan], np.float32)})
-    >>> sorted(sums), nonfinite
-    (["['v']", "['w']"], ["['v']"])
+    >>> nan, inf = np.array([np.nan], np.float32), np.array([np.inf], np.float32)
+    >>> sums, bad = digests({"w": np.arange(4.0, dtype=np.float32), "v": nan, "best": inf})
+    >>> sorted(sums), bad
+    (["['best']", "['v']", "['w']"], ["['v']"])
     >>> digests({"w": np.arange(4.0, dtype=np.float32) + 1})[0]["['w']"] == sums["['w']"]  # another value
     False
     """
-    sums, finite = jax.device_get(_digest_arrays(tree))
+    sums, flags = jax.device_get(_digest_arrays(tree))
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     text = {path: f"{int(s[0]):08x}{int(s[1]):08x}" for path, s in zip(paths, sums, strict=True)}
-    return text, [path for path, ok in zip(paths, finite, strict=True) if not ok]
+    bad = [p for p, (nan, inf) in zip(paths, flags, strict=True) if nan or (inf and p.startswith(".params"))]
+    return text, bad
 
 
 def _lock(directory: str) -> int:
@@ -127,6 +138,8 @@ def _lock(directory: str) -> int:
     except BlockingIOError:
         holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
         os.close(fd)
+        if holder.startswith(f"process {os.getpid()} "):
+            holder = "a Checkpoints of this very process, not yet closed"
         raise CheckpointError(
             f"--checkpoint-dir {directory} is in use by another run ({holder}); wait for it to end, or choose "
             f"another --checkpoint-dir"
@@ -140,6 +153,14 @@ def _first_line(e: Exception) -> str:
     """An exception in a few words: the first line, without TensorStore's pointer to its details."""
     text = (str(e).splitlines() or [""])[0].split(". See full")[0]
     return f"{type(e).__name__}: {text[:200]}"
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _paths(tree: Any) -> dict[str, list[int]]:
@@ -252,17 +273,22 @@ class Checkpoints:
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"--checkpoint-dir {directory}: it is a file, not a directory; choose a directory")
         self._lock = _lock(self.directory) if jax.process_index() == 0 else None
-        if self._lock is not None:
-            # Holding the lock, no other run is writing here: a step left unfinished (a save killed, or failed
-            # for lack of space) is garbage, and its space is needed.
-            for name in os.listdir(self.directory):
-                if name.endswith(".orbax-checkpoint-tmp") or ".orbax-checkpoint-tmp-" in name:
-                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=asynchronous, cleanup_tmp_directories=True
-        )
-        self._ocp = ocp
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        try:
+            if self._lock is not None:
+                # Holding the lock, no other run is writing here: the temporary directory of a step left
+                # unfinished (a save killed, or failed for lack of space) is garbage, and its space is needed.
+                # Orbax's own cleanup_tmp_directories leaves these (measured with orbax-checkpoint 0.12.8).
+                for name in os.listdir(self.directory):
+                    if ".orbax-checkpoint-tmp" in name:
+                        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=asynchronous, cleanup_tmp_directories=True
+            )
+            self._ocp = ocp
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except BaseException:
+            self._release()
+            raise
 
     def save(self, step: int, state: Any, record: dict[str, Any]) -> None:
         """Starts saving ``state`` as ``step`` (returns while orbax writes in the background), with the
@@ -280,9 +306,10 @@ class Checkpoints:
             kept = f"step {latest} stays the latest" if latest is not None else "nothing was saved"
             raise CheckpointError(
                 f"checkpoint step {step} not saved: state{nonfinite[0]} holds NaN or inf ({len(nonfinite)} "
-                f"array(s) in all); {kept}"
+                f"array(s) in all); {kept}; lower the learning rate, or skip such steps (--on-nan skip)"
             )
-        record = {**record, "state": _paths(state), "checksums": sums}
+        dtypes = {path: str(np.dtype(_dtype(x))) for path, x in _leaves(state)}
+        record = {**record, "state": _paths(state), "dtypes": dtypes, "checksums": sums}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record))
         self._saving(lambda: self.manager.save(step, args=args))
 
@@ -301,8 +328,8 @@ class Checkpoints:
             latest = self.manager.latest_step()
             kept = f"step {latest} is the latest whole checkpoint" if latest is not None else "none is whole"
             raise CheckpointError(
-                f"saving a checkpoint into {self.directory} failed ({cause}); {kept}; free space there or choose "
-                f"another --checkpoint-dir, then --resume"
+                f"saving a checkpoint into {self.directory} failed ({cause}); {kept}; make room there (or fix what "
+                f"the cause names) and --resume, or start again in another --checkpoint-dir"
             ) from None
 
     def latest(self) -> int | None:
@@ -324,9 +351,21 @@ class Checkpoints:
                 f"{self._instead(step)}"
             ) from None
 
+    def not_checkpoints(self) -> list[str]:
+        """Directories named like steps that orbax did not save (someone else's, in the same directory)."""
+        paths = [os.path.join(self.directory, str(step)) for step in self.steps()]
+        return [path for path in paths if not os.path.exists(os.path.join(path, _COMMITTED))]
+
     def clear(self) -> None:
-        """Deletes every saved step (what ``--overwrite`` asks for)."""
+        """Deletes every saved step (what ``--overwrite`` asks for). A directory named like a step that orbax
+        did not write is not a checkpoint: it is named in an error, and nothing is deleted."""
         self.manager.wait_until_finished()
+        foreign = self.not_checkpoints()
+        if foreign:
+            raise CheckpointError(
+                f"--overwrite: {foreign[0]} is not a checkpoint; it stays, and so do the checkpoints: move it out "
+                f"of {self.directory}, or use another --checkpoint-dir"
+            )
         for step in self.steps():
             self.manager.delete(step)
 
@@ -380,6 +419,13 @@ class Checkpoints:
 
     def _check_same_model(self, record: dict[str, Any], target: Any, step: int) -> None:
         saved, now = record.get("state", {}), _paths(target)
+        for path, x in _leaves(target):  # checkpoints saved before dtypes were recorded have none to compare
+            was = record.get("dtypes", {}).get(path)
+            if was is not None and was != str(np.dtype(_dtype(x))):
+                raise CheckpointError(
+                    f"--resume: checkpoint step {step} in {self.directory} holds state{path} as {was}, and this "
+                    f"run wants {np.dtype(_dtype(x))}; resume with the precision it was saved in"
+                )
         for path in [*saved, *(p for p in now if p not in saved)]:  # in the state's order: parameters first
             if saved.get(path) != now.get(path):
                 was = "absent" if path not in saved else f"shape {tuple(saved[path])}"
@@ -404,6 +450,9 @@ class Checkpoints:
         finally:
             with contextlib.suppress(Exception):  # a failed save's error was raised by wait()
                 self.manager.close()
-            if self._lock is not None:
-                os.close(self._lock)  # releases the flock
-                self._lock = None
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None

@@ -44,18 +44,33 @@ def emulate_devices(n: int) -> None:
 
 def free_memory(device: jax.Device) -> int | None:
     """The bytes ``device`` can still allocate: an accelerator's limit less what it holds; for emulated CPU
-    devices, this host's available memory shared among this process's CPU devices. None when unknown.
+    devices, this host's available memory (page cache counts as available, a cgroup's limit caps it) shared
+    among this process's CPU devices. None when unknown.
 
     >>> free_memory(jax.devices()[0]) > 0
     True
     """
     if device.platform == "cpu":
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            return None
+        import psutil
+
+        available = psutil.virtual_memory().available
+        limit = _cgroup_memory_left()
+        if limit is not None:
+            available = min(available, limit)
         return available // max(1, len(jax.local_devices(backend="cpu")))
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _cgroup_memory_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup (v2) still lets it use, if it sets a limit."""
+    try:
+        with open(os.path.join(root, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(root, "memory.current")) as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)

@@ -105,7 +105,8 @@ def initialize(*, cluster: bool = False) -> bool:
     if cluster or cluster_processes() > 1:
         jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_S)
         # Likewise on a cluster: SLURM, Kubernetes and the TPU runtime send SIGTERM first and SIGKILL after a
-        # grace; exiting on SIGTERM lets ``finally`` blocks (and a pending checkpoint) run within it.
+        # grace; exiting on SIGTERM lets ``finally`` blocks run, for at most UNWIND_S seconds (a save still in
+        # flight then is cut off; orbax's atomic rename keeps the previous step whole).
         _exit_on_sigterm()
         return jax.process_count() > 1
     return False

@@ -67,7 +67,7 @@ class TrainStep:
     Parameters are created already sharded by :meth:`init`, the state buffers are donated, and gradients are
     constrained to their planned layout before the update. Each batch shape compiles once. With
     ``skip_nonfinite``, a step whose loss or gradients hold NaN or inf leaves the parameters and optimizer state
-    as they were (the step count still advances, as the data has); its loss says so.
+    as they were (the step count still advances, as the data has) and returns a NaN loss.
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -180,6 +180,7 @@ class TrainStep:
             ok = jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(finite)) if finite else True)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
             params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            loss = jnp.where(ok, loss, jnp.nan)  # a step skipped for its gradients alone says so too
         return TrainState(state.step + 1, params, opt_state), loss
 
     def batch_shardings(self, batch: Any) -> Any:

@@ -77,6 +77,7 @@ def _show_warning(message: Warning | str, category: type, *_: object, **__: obje
 
 
 def _main(argv: list[str] | None) -> int:
+    args = None
     try:
         args = parse(argv)
         if args.command not in _NO_DEVICES and _start_devices(args) > 0:
@@ -94,7 +95,8 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         if os.environ.get("SPMD_DEBUG"):
             raise
-        print("spmd: interrupted; the checkpoints saved so far are whole", file=sys.stderr)
+        saving = getattr(args, "checkpoint_dir", None)
+        print(f"spmd: interrupted{'; the checkpoints saved so far are whole' if saving else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - every user mistake becomes one line; SPMD_DEBUG shows the rest
         if os.environ.get("SPMD_DEBUG") or not isinstance(

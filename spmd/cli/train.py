@@ -47,7 +47,8 @@ def train(
     step = s.step()
     checkpoints = _checkpoints(args, _run_record(s))
     try:
-        trained = _loop(s, args, step, checkpoints, label=label, quiet=quiet, before=before)
+        saver = _Saver(checkpoints, spmd.ModelLayout(step), _run_record(s), args)
+        trained = _loop(s, args, step, saver, label=label, quiet=quiet, before=before)
     except BaseException:
         if checkpoints is not None:
             with contextlib.suppress(Exception):  # the error on its way out is the one to report
@@ -62,27 +63,27 @@ def _loop(
     s: Setup,
     args: argparse.Namespace,
     step: spmd.TrainStep,
-    checkpoints: spmd.Checkpoints | None,
+    saver: _Saver,
     *,
     label: str,
     quiet: bool,
     before: Callable[[spmd.TrainStep], None] | None,
 ) -> Trained:
     _check_fits(s, step.compile(s.abstract_batch()), hasattr(args, "strategy"))  # before any array is made
-    layout = spmd.ModelLayout(step)
+    layout = saver.layout
     start = 0
     if getattr(args, "resume", False):
         # Checkpoints hold the model's own layout, so any plan can resume from any other's.
-        start, state, _ = checkpoints.restore(layout.abstract())
+        start, state, _ = saver.checkpoints.restore(layout.abstract())
         state = layout.from_model(state)
+        saver.saved = start
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start}; --steps {args.steps} asks for none more")
     else:
         state = step.init(s.model.init, jax.random.key(s.seed))
     if before is not None:
         before(step)
-    every = getattr(args, "checkpoint_every", None) or args.steps
-    guard = _Guard(getattr(args, "on_nan", "stop"), checkpoints, start)
+    guard = _Guard(getattr(args, "on_nan", "stop"), saver)
     losses = []
     with Progress(transient=True, disable=quiet, console=console(stderr=True)) as bar:
         task = bar.add_task(label, total=args.steps - start)
@@ -91,9 +92,7 @@ def _loop(
             losses.append(float(loss))
             guard.check(i + 1, losses[-1])
             bar.update(task, advance=1, description=f"{label} loss {losses[-1]:.3f}")
-            if checkpoints is not None and ((i + 1) % every == 0 or i + 1 == args.steps):
-                checkpoints.save(i + 1, layout.to_model(state), _run_record(s))
-                guard.saved = i + 1
+            saver.after(i + 1, state)
     return Trained(losses, _on_host(step.params_of(state)), step, tuple(guard.skipped))
 
 
@@ -121,13 +120,45 @@ def _check_fits(s: Setup, compiled: jax.stages.Compiled, strategy_flag: bool) ->
 MAX_SKIPPED_IN_A_ROW = 10
 
 
+class _Saver:
+    """The run's saves: every ``--checkpoint-every`` steps and at the last, in the model's layout. With
+    ``--overwrite``, the old checkpoints are deleted only at the first save, once this run has a step to put in
+    their place: a run refused or stopped before that leaves them as they were."""
+
+    def __init__(
+        self, checkpoints: spmd.Checkpoints | None, layout: spmd.ModelLayout, record: dict, args: argparse.Namespace
+    ) -> None:
+        self.checkpoints, self.layout, self.record = checkpoints, layout, record
+        self.every, self.last = getattr(args, "checkpoint_every", None) or args.steps, args.steps
+        self.replace = checkpoints is not None and getattr(args, "overwrite", False)
+        self.saved: int | None = None  # the latest step this run saved (or resumed from)
+
+    def after(self, step: int, state: spmd.TrainState) -> None:
+        if self.checkpoints is None or (step % self.every and step != self.last):
+            return
+        if self.replace:
+            self.checkpoints.clear()
+            self.replace = False
+        self.checkpoints.save(step, self.layout.to_model(state), self.record)
+        self.saved = step
+
+    def last_words(self) -> str:
+        """Where a stopped run can be continued from: its last checkpoint, once the saves in flight are done."""
+        if self.saved is None:
+            return "no checkpoint was saved"
+        try:
+            self.checkpoints.wait()
+        except spmd.CheckpointError as e:
+            return f"and {e}"
+        return f"the last checkpoint is step {self.saved} in {self.checkpoints.directory} (--resume continues it)"
+
+
 class _Guard:
     """What a run does about a non-finite loss: stop (naming the step and the last checkpoint saved), or count
     it as skipped (the step kept the state as it was) and stop after :data:`MAX_SKIPPED_IN_A_ROW` in a row."""
 
-    def __init__(self, policy: str, checkpoints: spmd.Checkpoints | None, start: int) -> None:
-        self.policy, self.checkpoints = policy, checkpoints
-        self.saved = start if checkpoints is not None and start else None
+    def __init__(self, policy: str, saver: _Saver) -> None:
+        self.policy, self.saver = policy, saver
         self.skipped: list[int] = []
 
     def check(self, step: int, loss: float) -> None:
@@ -139,14 +170,11 @@ class _Guard:
         )
         if self.policy == "skip" and not in_a_row:
             return
-        if self.saved is not None:
-            last = f"the last checkpoint is step {self.saved} in {self.checkpoints.directory} (--resume continues it)"
-        else:
-            last = "no checkpoint was saved"
         row = f", {MAX_SKIPPED_IN_A_ROW} steps in a row" if self.policy == "skip" else ""
         advice = "" if self.policy == "skip" else ", or pass --on-nan skip to skip such steps"
         raise RuntimeError(
-            f"step {step}: the loss is {loss}{row}; the run stops and saves nothing more; {last}; lower --lr{advice}"
+            f"step {step}: the loss is {loss}{row}; the run stops and saves nothing more; "
+            f"{self.saver.last_words()}; lower --lr{advice}"
         )
 
 
@@ -178,12 +206,21 @@ def _checkpoints(args: argparse.Namespace, run: dict[str, Any]) -> spmd.Checkpoi
         return None
     resume = getattr(args, "resume", False)
     if resume and not os.path.isdir(directory):
-        raise UsageError(f"--resume: checkpoint directory {directory!r} does not exist")
+        raise UsageError(
+            f"--resume: checkpoint directory {directory!r} does not exist; give the --checkpoint-dir the run "
+            f"saved into, or run without --resume"
+        )
     checkpoints = spmd.Checkpoints(directory)
     try:
         latest = checkpoints.latest()
+        foreign = checkpoints.not_checkpoints()
+        if foreign:
+            raise UsageError(
+                f"--checkpoint-dir {directory} holds {foreign[0]}, named like a saved step but not one; move it "
+                f"out of the directory, or choose another --checkpoint-dir"
+            )
         if latest is not None and getattr(args, "overwrite", False):
-            checkpoints.clear()
+            pass  # deleted at this run's first save (_Saver)
         elif latest is not None and not resume:
             raise UsageError(
                 f"--checkpoint-dir {directory} already holds checkpoints up to step {latest} of a run "
