@@ -115,6 +115,10 @@ def command_line() -> NoReturn:
     status = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    if status != 0 and not os.environ.get("SPMD_DEBUG"):
+        # The line just said is the last word: after a failed restore, orbax's abandoned reads are collected
+        # while the interpreter shuts down, and each would print its own traceback of the same fault.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         os._exit(status)
     sys.exit(status)
