@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd._layout import pad, stored_abstract, unpad
+from spmd._mesh import retyped
 from spmd._tree import unbox
 
 if TYPE_CHECKING:
@@ -194,15 +195,16 @@ class ModelLayout:
 
     def to_model(self, state: TrainState) -> TrainState:
         """The state in the model's own layout."""
-        return state if self.is_identity else self._conversions[0](state)
+        # The conversions index whole arrays, which Explicit axes would ask to annotate one by one.
+        return state if self.is_identity else self.step.on_auto_axes(self._conversions[0], state)
 
     def from_model(self, state: TrainState) -> TrainState:
         """The inverse of :meth:`to_model`: the state as the step's plan stores it, in its shardings."""
-        return state if self.is_identity else self._conversions[1](state)
+        return state if self.is_identity else self.step.on_auto_axes(self._conversions[1], state)
 
     def abstract(self) -> TrainState:
         """ShapeDtypeStructs (with shardings) of :meth:`to_model`'s result: targets to restore into."""
-        return self.step.abstract_state() if self.is_identity else self._conversions[2]
+        return self.step.abstract_state() if self.is_identity else retyped(self._conversions[2], self.step.mesh)
 
     @functools.cached_property
     def _conversions(self) -> tuple[Callable, Callable, Any]:
@@ -228,14 +230,16 @@ class ModelLayout:
 
         trained = stored_abstract(layout.trained)  # moments mirror what the optimizer updates
         to_model = jax.jit(lambda s: convert(s, trained, model_params, model_moments))
-        compiled = to_model.lower(step.abstract_state()).compile()
+        stored = retyped(step.abstract_state(), step.traced_mesh)
+        compiled = to_model.lower(stored).compile()
         target = jax.tree.map(
             lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            jax.eval_shape(to_model, step.abstract_state()),
+            jax.eval_shape(to_model, stored),
             compiled.output_shardings,
         )
         from_model = jax.jit(
-            lambda s: convert(s, target.params, stored_params, stored_moments), out_shardings=step.shardings
+            lambda s: convert(s, target.params, stored_params, stored_moments),
+            out_shardings=retyped(step.shardings, step.traced_mesh),
         )
         return compiled, from_model, target
 

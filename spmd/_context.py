@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
@@ -70,12 +70,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     context = jax.sharding.get_abstract_mesh()
     if context.empty or not context.manual_axes:
         spec = plan.activation_spec(tuple(names), x.shape, mesh)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        target = mesh if context.empty or context == mesh.abstract_mesh else context
+        return _constrained(x, NamedSharding(target, spec))
     manual = set(context.manual_axes)
     local = {a: 1 if a in manual else n for a, n in mesh.shape.items()}
     spec = plan.activation_spec(tuple(names), x.shape, local)
     spec = PartitionSpec(*[_without(entry, manual) for entry in spec])
-    return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+    return _constrained(x, NamedSharding(context, spec))
+
+
+def _constrained(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out as ``sharding`` says: a constraint the compiler propagates from over Auto axes; over
+    Explicit axes, where the layout is part of the array's type, a ``reshard`` (a constraint would be refused)."""
+    if AxisType.Explicit in sharding.mesh.axis_types:
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _without(entry: Any, manual: set[str]) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -186,13 +187,19 @@ def resolve_state(
     (P(None, None), [P(), P('data', None), P('data', None)])
     """
     trained = annotated_params if trained is None else trained
-    params = plan.resolve(annotated_params, mesh)
-    grads = plan.resolve(trained, mesh, role="grads")
-    moments = plan.resolve(trained, mesh, role="optimizer")
-    # The optimizer updates the stored (block-padded) parameters, or the executor's own arrays, and its state
-    # mirrors them; their gradients are stored so too.
-    stored = params if trained is annotated_params else grads
-    opt_state = plan.resolve(jax.eval_shape(optimizer.init, stored_abstract(stored)), mesh, params=trained)
+    # The parameters, gradients and optimizer state are resolved apart, each time with the same rules: what
+    # they warn about is said once, from the caller.
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        params = plan.resolve(annotated_params, mesh)
+        grads = plan.resolve(trained, mesh, role="grads")
+        moments = plan.resolve(trained, mesh, role="optimizer")
+        # The optimizer updates the stored (block-padded) parameters, or the executor's own arrays, and its
+        # state mirrors them; their gradients are stored so too.
+        stored = params if trained is annotated_params else grads
+        opt_state = plan.resolve(jax.eval_shape(optimizer.init, stored_abstract(stored)), mesh, params=trained)
+    for message in dict.fromkeys((w.category, str(w.message)) for w in said):
+        warnings.warn(message[1], message[0], stacklevel=3)
     return StateLayout(params, grads, opt_state, moments, stored)
 
 

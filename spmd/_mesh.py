@@ -5,12 +5,13 @@ from __future__ import annotations
 import keyword
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Emulated CPU devices are threads of one process: past this many, building a program for them takes minutes
@@ -168,3 +169,84 @@ def parse_mesh(text: str) -> dict[str, int]:
             f"mesh {text!r}: more than one axis of size -1; at most one can be inferred, e.g. data=-1,tensor=4"
         )
     return axes
+
+
+def auto_twin(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis Auto (``mesh`` itself when they already are): the mesh a plan's program is traced
+    over. A plan lays out the parameters, the batch and a few activations and leaves the rest to the compiler's
+    propagation, which is what Auto axes mean; on a mesh with Explicit axes (``jax.make_mesh``'s default) the
+    step's inputs and outputs keep their Explicit types, and only its inside is Auto (see :func:`traced_auto`).
+
+    >>> import spmd
+    >>> mesh = spmd.make_mesh({"data": -1}, explicit=True)
+    >>> twin = auto_twin(mesh)
+    >>> twin.axis_types, auto_twin(twin) is twin, bool((twin.devices == mesh.devices).all())
+    ((Auto,), True, True)
+
+    A mesh mixing Explicit and Auto axes is refused: a plan's layout would be half a type and half a hint
+    (flax's eager sharding refuses such meshes too).
+    """
+    kinds = set(mesh.axis_types)
+    if kinds == {AxisType.Auto}:
+        return mesh
+    if kinds != {AxisType.Explicit}:
+        shown = ", ".join(f"{name}: {kind.name}" for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True))
+        raise ValueError(
+            f"mesh axes of mixed types ({shown}); give every axis the same type, all Explicit (jax.make_mesh's "
+            f"default, spmd.make_mesh(..., explicit=True)) or all Auto"
+        )
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def traced_auto(fn: Callable[..., Any], mesh: Mesh, out_specs: Any) -> Callable[..., Any]:
+    """``fn`` traced with every axis of ``mesh`` Auto, its outputs typed ``out_specs`` on ``mesh``: the body of a
+    jitted step whose arrays live on a mesh with Explicit axes. Inside, constraints name :func:`auto_twin`'s
+    mesh. ``fn`` itself on a mesh whose axes are all Auto.
+
+    >>> import spmd, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = spmd.make_mesh({"data": -1}, explicit=True)
+    >>> x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> y = jax.jit(traced_auto(lambda x: x @ x.T, mesh, P("data")))(x)
+    >>> y.sharding.spec, y.sharding.mesh.axis_types
+    (P('data', None), (Explicit,))
+    """
+    if auto_twin(mesh) is mesh:
+        return fn
+
+    def traced(*args: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+
+    return traced
+
+
+def retyped(tree: Any, mesh: Mesh) -> Any:
+    """The arrays (or ShapeDtypeStructs, or NamedShardings) of ``tree`` on ``mesh``, a mesh of the same devices
+    and axes with other axis types: the same shards, relabelled (no data moves), typed by ``mesh``. For the few
+    conversions spmd makes outside a step (a pipeline's stages unstacked for a checkpoint), which run eagerly
+    over :func:`auto_twin`; inside ``jit`` (tracers) use :func:`traced_auto`.
+
+    >>> import spmd, jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = spmd.make_mesh({"data": -1}, explicit=True)
+    >>> x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    >>> y = retyped(x, auto_twin(mesh))
+    >>> y.sharding.spec, y.sharding.mesh.axis_types
+    (P('data',), (Auto,))
+    """
+
+    def one(x: Any) -> Any:
+        if isinstance(x, NamedSharding):
+            return x if x.mesh == mesh else NamedSharding(mesh, x.spec)
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
+            return x
+        if sharding.mesh.devices.shape != mesh.devices.shape or (sharding.mesh.devices != mesh.devices).any():
+            raise ValueError(f"retyped: {sharding.mesh} and {mesh} hold other devices; only the axis types may differ")
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.update(sharding=one(sharding))
+        shards = [shard.data for shard in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(x.shape, one(sharding), shards)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, NamedSharding))

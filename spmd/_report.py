@@ -24,7 +24,7 @@ from spmd._hlo import Collective, collectives
 from spmd._layout import LeafLayout
 from spmd._plan import Plan
 from spmd._report_tables import tables
-from spmd._resolve import unused_axes
+from spmd._resolve import idle_axes, idle_axes_text, unused_axes
 from spmd.costmodel import StepTime, Traffic
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Report:
     analytic_collectives: tuple[Traffic, ...]
     warnings: tuple[str, ...]
     analytic_memory: dict[str, int] = dataclasses.field(default_factory=dict)
-    flops_per_device: float = 0.0
+    flops_per_device: float | None = 0.0  # None: the workload is unknown (see :func:`report`)
     modelled_step_time: StepTime | None = None
     execution: Summary | None = None
     activation_note: str = "activations kept for backward"
@@ -177,6 +177,10 @@ def report(
     program and the cost model's expectation (``workload``: read from the batch's ``[batch, seq]`` array unless
     given; ``hardware``: detected from the mesh's devices unless given).
 
+    A batch with no such array (images, say) and no ``workload`` leaves what depends on it unknown: the
+    analytic side counts the parameters' traffic and memory only, FLOPs and the modelled step time are None,
+    and a warning says so; the compiled side is whole.
+
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
     >>> step = spmd.TrainStep(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), spmd.Plan(batch_axes=("data",)),
@@ -187,7 +191,12 @@ def report(
     """
     compiled = step.compile(batch)
     layout, plan, mesh, ex = step.layout, step.plan, step.mesh, step.executor
-    workload = workload or costmodel.Workload.from_batch(batch)
+    plan = step.plan_carried_out(batch)  # the estimate counts the activations a model ignoring remat keeps
+    ignored_remat = step.plan.remat and not plan.remat
+    workload = workload or _workload_of(batch)
+    known = workload is not None
+    # Without one, sequences of no tokens: the activations' traffic, memory and FLOPs count nothing.
+    workload = workload or costmodel.Workload(batch=_leading_size(batch), seq_len=0)
     device = mesh.devices.flat[0]
     hw = hardware or costmodel.detect(device.device_kind, device.platform)
     estimate = costmodel.estimate_layout(layout, plan, mesh.shape, workload, hw, ex.costs(layout, batch, workload))
@@ -196,6 +205,8 @@ def report(
     compiled_memory = memory_of(compiled)
     inventory = tuple(collectives(compiled.as_text(), mesh, branch_weights=ex.branch_weights))
     analytic_memory = estimate.step_memory(batch_bytes)
+    if not known:
+        analytic_memory = {k: v for k, v in analytic_memory.items() if k in ("argument_bytes", "padding_bytes")}
     return Report(
         mesh_axes=dict(mesh.shape),
         plan=plan,
@@ -204,13 +215,35 @@ def report(
         compiled_memory=compiled_memory,
         collectives=inventory,
         analytic_collectives=estimate.traffic,
-        warnings=tuple(_warnings(step, inventory, estimate, compiled_memory, analytic_memory)),
+        warnings=tuple(
+            (_IGNORED_REMAT,) * ignored_remat
+            + tuple(_warnings(step, inventory, estimate, compiled_memory, analytic_memory, known))
+        ),
         analytic_memory=analytic_memory,
-        flops_per_device=estimate.flops,
-        modelled_step_time=estimate.time,
+        flops_per_device=estimate.flops if known else None,
+        modelled_step_time=estimate.time if known else None,
         execution=ex.summary(layout, batch),
         activation_note=estimate.activation_note,
     )
+
+
+_IGNORED_REMAT = (
+    "remat: the plan asks the model to rematerialise its layers (plan.remat), and the model applies no remat; "
+    "the estimate keeps every layer's activations. Wrap its layers in nn.remat or jax.checkpoint "
+    "(models.rematerialised does it for the built-in models), or build the plan with remat=False"
+)
+
+
+def _workload_of(batch: Any) -> costmodel.Workload | None:
+    try:
+        return costmodel.Workload.from_batch(batch)
+    except ValueError:
+        return None
+
+
+def _leading_size(batch: Any) -> int:
+    """The batch's examples: the leading dimension its arrays share (1 for a batch of scalars)."""
+    return max((int(np.shape(x)[0]) for x in jax.tree.leaves(batch) if np.ndim(x)), default=1)
 
 
 def _warnings(
@@ -219,6 +252,7 @@ def _warnings(
     estimate: costmodel.Estimate,
     compiled_memory: dict[str, int],
     analytic_memory: dict[str, int],
+    workload_known: bool = True,
 ) -> list[str]:
     """Where the plan, the compiler and the cost model disagree, and what the plan leaves replicated."""
     rows, mesh = step.layout.params, step.mesh
@@ -228,14 +262,22 @@ def _warnings(
         f"mesh axis {a!r} is used by no part of the plan: all work is replicated over it"
         for a in unused_axes(step.plan, mesh)
     ]
+    idle = idle_axes(step.plan, step.layout, mesh)
+    if idle:
+        out.append(idle_axes_text(idle, mesh))
+    if not workload_known:
+        out.append(
+            "workload unknown: the batch has no (batch, seq) token array, so the analytic side counts the "
+            "parameters only (no activations, FLOPs or step time); pass workload=costmodel.Workload(batch, seq_len)"
+        )
     flag = costmodel.compare(sum(c.traffic_bytes for c in inventory), sum(t.traffic_bytes for t in estimate.traffic))
-    if flag:
+    if flag and workload_known:  # without activations the analytic traffic is a floor, not an estimate
         out.append(f"collective traffic: {flag}")
     if "argument_bytes" in compiled_memory:
         flag = costmodel.compare(compiled_memory["argument_bytes"], analytic_memory["argument_bytes"])
         if flag:
             out.append(f"argument memory: {flag.split(':')[0]}: a buffer the plan does not lay out")
-        ratio = compiled_memory["temp_bytes"] / max(1, analytic_memory["temp_bytes"])
+        ratio = compiled_memory["temp_bytes"] / max(1, analytic_memory.get("temp_bytes", compiled_memory["temp_bytes"]))
         if not 1 / TEMP_SLACK <= ratio <= TEMP_SLACK:
             out.append(
                 f"temporaries: compiled {ratio:.2f}× the estimate; "

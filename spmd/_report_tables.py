@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from spmd._format import format_bytes, format_seconds
@@ -24,8 +25,9 @@ def tables(report: Report, *, max_rows: int = 40) -> Group:
         parts.append(report.execution.text)
     if report.data_parallel is not None:
         parts.append(_against_data_parallel(report))
-    parts += [f"note: {n}" for n in report.plan.notes]
-    parts += [f"[yellow]warning:[/] {w}" for w in report.warnings]
+    # Escaped: a warning quotes paths and regex rules, whose brackets rich would read as its markup.
+    parts += [f"note: {escape(n)}" for n in report.plan.notes]
+    parts += [f"[yellow]warning:[/] {escape(w)}" for w in report.warnings]
     return Group(*parts)
 
 
@@ -79,7 +81,8 @@ def _collectives(report: Report) -> Table:
         table.add_row("none", "", "", "", "", "")
     traffic = report.comm_bytes_per_step
     compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"])
-    table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}"
+    only = " (parameters only: the workload is unknown)" if report.flops_per_device is None else ""
+    table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}{only}"
     if report.modelled_step_time is not None:
         t = report.modelled_step_time
         table.caption += (

@@ -29,6 +29,8 @@ __all__ = [
     "batch_shardings",
     "check_axes",
     "check_unused_axes",
+    "idle_axes",
+    "idle_axes_text",
     "resolve",
     "sizes_of",
     "unused_axes",
@@ -315,17 +317,64 @@ def unused_axes(plan: Plan, mesh: Any) -> list[str]:
     return [axis for axis, size in sizes_of(mesh).items() if size > 1 and axis not in used]
 
 
-def check_unused_axes(plan: Plan, mesh: Any) -> None:
-    """Warns (:class:`PlanWarning`) about :func:`unused_axes`; under a strict plan raises :class:`PlanError`."""
-    unused = unused_axes(plan, mesh)
-    if not unused:
-        return
+def idle_axes(plan: Plan, layout: Any, mesh: Any) -> dict[str, list[str]]:
+    """The mesh axes (of more than one device) that parts of ``plan`` name but that split no array of the
+    training state ``layout`` (a :class:`spmd._layout.StateLayout`), with those parts: a strategy whose rules
+    matched nothing in this model (tensor parallelism on unfamiliar layer names). Batch axes and an execution
+    mode's axes split the batch and the work instead, and are not counted.
+
+    >>> import spmd, optax, jax, strategies
+    >>> from spmd._layout import resolve_state
+    >>> plan = strategies.data_parallel() + strategies.tensor_parallel()
+    >>> sizes, params = {"data": 2, "tensor": 4}, {"norm": jax.ShapeDtypeStruct((64,), "float32")}
+    >>> idle_axes(plan, resolve_state(plan, params, optax.sgd(0.1), sizes), sizes)
+    {'tensor': ['tensor_parallel']}
+    """
     sizes = sizes_of(mesh)
-    text = (
-        f"mesh axis {', '.join(f'{a!r} ({sizes[a]} devices)' for a in unused)} is used by no part of the plan "
-        f"({plan.describe()}): every array and all work is replicated over it; remove it from the mesh or add a "
-        f"strategy that uses it"
+    by_source = plan.axes_by_source()
+    elsewhere = set(plan.batch_axes) | (set(plan.execution.axes()) if plan.execution is not None else set())
+    rows = [*layout.params.leaves, *layout.grads.leaves, *layout.opt_state.leaves]
+    splitting = {a for r in rows for e in r.spec if e for a in ((e,) if isinstance(e, str) else e)}
+    idle: dict[str, list[str]] = {}
+    for source, axes in by_source.items():
+        for axis in sorted(axes - splitting - elsewhere):
+            if sizes.get(axis, 1) > 1 and source != "batch axes":
+                idle.setdefault(axis, []).append(source)
+    return idle
+
+
+def idle_axes_text(idle: Mapping[str, list[str]], mesh: Any) -> str:
+    """The warning about :func:`idle_axes`, one clause per axis.
+
+    >>> idle_axes_text({"tensor": ["tensor_parallel"]}, {"tensor": 4})[:60]
+    "mesh axis 'tensor' (4 devices) splits no parameter, gradient"
+    """
+    sizes = sizes_of(mesh)
+    return "; ".join(
+        f"mesh axis {axis!r} ({sizes[axis]} devices) splits no parameter, gradient or optimizer state: "
+        f"{' and '.join(sources)} matched no array of this model, so unless the model's own activation "
+        f"constraints use its rules all work is replicated over it; give the strategy rules for the model's layer "
+        f"names (e.g. tensor_parallel(rules=[(r'mlp/up/kernel', (None, {axis!r}))])) or remove the axis"
+        for axis, sources in idle.items()
     )
-    if plan.strict:
-        raise PlanError(f"strict plan: {text}")
-    warnings.warn(text, PlanWarning, stacklevel=3)
+
+
+def check_unused_axes(plan: Plan, mesh: Any, layout: Any = None) -> None:
+    """Warns (:class:`PlanWarning`) about :func:`unused_axes`, under a strict plan raises :class:`PlanError`; with
+    the training state's ``layout``, warns about :func:`idle_axes` too."""
+    unused = unused_axes(plan, mesh)
+    sizes = sizes_of(mesh)
+    texts = []
+    if unused:
+        texts.append(
+            f"mesh axis {', '.join(f'{a!r} ({sizes[a]} devices)' for a in unused)} is used by no part of the plan "
+            f"({plan.describe()}): every array and all work is replicated over it; remove it from the mesh or add "
+            f"a strategy that uses it"
+        )
+    for text in texts:
+        if plan.strict:
+            raise PlanError(f"strict plan: {text}")
+        warnings.warn(text, PlanWarning, stacklevel=3)
+    idle = idle_axes(plan, layout, mesh) if layout is not None else {}
+    if idle:  # a warning even under a strict plan: the model's activation constraints may use the axis
+        warnings.warn(idle_axes_text(idle, mesh), PlanWarning, stacklevel=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -9,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import subjaxprs
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._context import activate
 from spmd._executor import Executor, Task, plain
 from spmd._layout import StateLayout, pad, resolve_state, unpad
+from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._plan import Plan
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
@@ -96,9 +99,11 @@ class TrainStep:
     ) -> None:
         plan.check_mesh(mesh)
         self.loss_fn, self.optimizer, self.plan, self.mesh, self.donate = loss_fn, optimizer, plan, mesh, donate
+        # The step's arrays live on ``mesh`` (Explicit axes stay Explicit); its inside is traced over Auto axes.
+        self.traced_mesh = auto_twin(mesh)
         self.skip_nonfinite = skip_nonfinite
         self.model_params = _abstract(params)  # the model's own layout, with its annotations
-        task = Task(loss_fn, plan, mesh, self.model_params, staged, narrow)
+        task = Task(loss_fn, plan, self.traced_mesh, self.model_params, staged, narrow)
         self.executor: Executor = plain(task) if plan.execution is None else plan.execution.executor(task)
         stored = self.executor.to_stored(self.model_params)
         trained = self.executor.to_trained(stored)
@@ -109,9 +114,10 @@ class TrainStep:
         self.shardings = TrainState(
             replicated, _named(mesh, self.layout.params.specs), _named(mesh, self.layout.opt_state.specs)
         )
-        self.grad_shardings = _named(mesh, self.layout.grads.specs)
-        self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any]] = {}  # per batch signature, with its shardings
-        check_unused_axes(plan, mesh)  # once the step is built: a plan that fails says only why
+        self.grad_shardings = _named(self.traced_mesh, self.layout.grads.specs)
+        # Per batch signature: the program, the batch's shardings, and whether it rematerialises.
+        self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any, bool]] = {}
+        check_unused_axes(plan, mesh, self.layout)  # once the step is built: a plan that fails says only why
 
     # -- the state ----------------------------------------------------------------------------------------
     def initializer(self, init_fn: Callable[[jax.Array], Any]) -> Callable[[jax.Array], TrainState]:
@@ -124,7 +130,7 @@ class TrainStep:
             opt_state = self.optimizer.init(pad(unbox(ex.to_trained(stored)), layout.trained))
             return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
 
-        return jax.jit(create, out_shardings=self.shardings)
+        return jax.jit(traced_auto(create, self.mesh, self._specs()), out_shardings=self.shardings)
 
     def init(self, init_fn: Callable[[jax.Array], Any], rng: jax.Array) -> TrainState:
         """Creates the training state directly in its sharded layout: each device computes only its own shards,
@@ -156,16 +162,26 @@ class TrainStep:
             rows(self.layout.opt_state, sh.opt_state),
         )
 
+    def _specs(self) -> TrainState:
+        return jax.tree.map(lambda s: s.spec, self.shardings)
+
     def params_of(self, state: TrainState) -> Any:
-        """The model's parameters from a training state, in the model's own layout."""
-        return self.executor.to_model(unpad(state.params, self.layout.params))
+        """The model's parameters from a training state, in the model's own layout (on the step's mesh)."""
+        return self.on_auto_axes(lambda params: self.executor.to_model(unpad(params, self.layout.params)), state.params)
+
+    def on_auto_axes(self, convert: Callable[[Any], Any], tree: Any) -> Any:
+        """``convert(tree)`` run over the step's mesh with Auto axes, its result back on the step's mesh: for
+        conversions of the state outside the step (a pipeline's stages unstacked, block padding sliced off),
+        whose indexing a mesh with Explicit axes would ask to annotate array by array. Eager; no data moves
+        for the relabelling (:func:`spmd._mesh.retyped`)."""
+        return retyped(convert(retyped(tree, self.traced_mesh)), self.mesh)
 
     # -- the step -----------------------------------------------------------------------------------------
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         ex, layout = self.executor, self.layout
         # Block-aligned layouts store padded arrays: the executor sees them sliced, so their gradients come back
         # padded with zeros and the padding never changes.
-        with activate(self.plan, self.mesh):
+        with activate(self.plan, self.traced_mesh):
             loss, grads = ex.value_and_grad(unpad(state.params, layout.params), batch)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
@@ -192,29 +208,64 @@ class TrainStep:
 
     def lower(self, batch: Any) -> jax.stages.Lowered:
         """Lowers the step for a batch (arrays or ShapeDtypeStructs) without running it."""
+        return self._trace(batch).lower()
+
+    def _trace(self, batch: Any) -> jax.stages.Traced:
         shardings = self.batch_shardings(batch)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), batch, shardings)
         jitted = jax.jit(
-            self._step,
+            traced_auto(self._step, self.mesh, (self._specs(), PartitionSpec())),
             in_shardings=(self.shardings, shardings),
             out_shardings=(self.shardings, NamedSharding(self.mesh, PartitionSpec())),
             donate_argnums=(0,) if self.donate else (),
         )
-        return jitted.lower(self.abstract_state(), abstract)
+        return jitted.trace(self.abstract_state(), abstract)
 
     def compile(self, batch: Any) -> jax.stages.Compiled:
         """The step compiled for this batch's shapes and dtypes (compiled once per batch signature)."""
         return self._program(batch)[0]
 
-    def _program(self, batch: Any) -> tuple[jax.stages.Compiled, Any]:
+    def rematerialises(self, batch: Any) -> bool:
+        """Whether the step for this batch recomputes activations in its backward pass, read from the traced
+        program: whether the model applies what ``plan.remat`` asks of it (``jax.checkpoint``, ``nn.remat``,
+        ``spmd.models.rematerialised``).
+
+        >>> import spmd, optax, jax, jax.numpy as jnp
+        >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+        >>> layer = lambda p, b: jnp.mean(jnp.tanh(b @ p["w"]))
+        >>> plain = spmd.TrainStep(layer, optax.sgd(0.1), spmd.Plan(), spmd.make_mesh({"data": -1}), params=params)
+        >>> remat = spmd.TrainStep(jax.checkpoint(layer), optax.sgd(0.1), spmd.Plan(), plain.mesh, params=params)
+        >>> plain.rematerialises(jnp.ones((2, 4))), remat.rematerialises(jnp.ones((2, 4)))
+        (False, True)
+        """
+        return self._program(batch)[2]
+
+    def plan_carried_out(self, batch: Any) -> Plan:
+        """The plan as the step for this batch carries it out: without ``remat`` when the model applies none
+        (a third party's model that ignores the request keeps every layer's activations)."""
+        if self.plan.remat and not self.rematerialises(batch):
+            return dataclasses.replace(self.plan, remat=False)
+        return self.plan
+
+    def _program(self, batch: Any) -> tuple[jax.stages.Compiled, Any, bool]:
         key = _signature(batch)
         if key not in self._compiled:
-            self._compiled[key] = (self.lower(batch).compile(), self.batch_shardings(batch))
+            traced = self._trace(batch)
+            self._compiled[key] = (traced.lower().compile(), self.batch_shardings(batch), _recomputes(traced.jaxpr))
         return self._compiled[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
-        compiled, shardings = self._program(batch)
+        compiled, shardings, _ = self._program(batch)
         return compiled(state, place(batch, shardings))
+
+
+def _recomputes(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr, or one nested in it (a scan's body, a jitted call), holds a remat: the primitive
+    ``jax.checkpoint`` leaves in a differentiated program."""
+    inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    if any(e.primitive.name in ("remat2", "checkpoint") for e in inner.eqns):
+        return True
+    return any(_recomputes(sub) for sub in subjaxprs(inner))
 
 
 def shard(tree: Any, plan: Plan, mesh: Mesh) -> Any:

@@ -101,18 +101,22 @@ def rebuild(treedef: Any, leaves: list[Any]) -> Any:
 
 
 def unbox(tree: Any) -> Any:
-    """Replaces flax metadata boxes (``nn.LogicallyPartitioned``, ``nn.Partitioned``) by their values.
+    """Replaces flax metadata boxes (``nn.LogicallyPartitioned``, ``nn.Partitioned``) and nnx Variables
+    (``nnx.Param``, ...) by their values: an ``nnx.State`` keeps its structure with arrays in it, which
+    ``nnx.merge`` takes back as it takes Variables.
 
     Unlike ``nn.meta.unbox`` this never adds a sharding constraint (which flax does when a global mesh is
     set), so it is a pure change of container, safe inside or outside ``jit``.
 
-    >>> unbox({"w": nn.LogicallyPartitioned(np.ones(2), ("embed",)), "b": np.zeros(2)})["w"].shape
-    (2,)
+    >>> unbox({"w": nn.LogicallyPartitioned(np.ones(2), ("embed",)), "b": nnx.Param(np.zeros(2))})
+    {'b': array([0., 0.]), 'w': array([1., 1.])}
     """
 
     def value(x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            return unbox(_value(x))
         if not isinstance(x, nn.meta.AxisMetadata):
             return x
         return unbox(x.value if isinstance(x, nn.Partitioned) else x.unbox())
 
-    return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    return jax.tree.map(value, tree, is_leaf=is_box)

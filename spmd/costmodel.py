@@ -33,6 +33,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from spmd import axes as A
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
 from spmd._layout import LeafLayout, StateLayout, resolve_state
@@ -99,13 +101,14 @@ class Workload:
 
     @classmethod
     def from_batch(cls, batch: Any, **options: Any) -> Workload:
-        """Reads ``[batch, seq]`` from the batch's first rank-2 array (arrays or ShapeDtypeStructs)."""
+        """Reads ``[batch, seq]`` from the batch's first rank-2 integer array, its tokens (arrays or
+        ShapeDtypeStructs); a float ``[batch, features]`` array or one-hot labels are not tokens."""
         leaves = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Iterable) else [batch]
         for x in leaves:
             shape = tuple(getattr(x, "shape", ()))
-            if len(shape) == 2:
+            if len(shape) == 2 and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer):
                 return cls(batch=int(shape[0]), seq_len=int(shape[1]), **options)
-        raise ValueError("costmodel.Workload.from_batch: no [batch, seq] array in the batch; build a Workload")
+        raise ValueError("costmodel.Workload.from_batch: no [batch, seq] token array in the batch; build a Workload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +407,8 @@ def _rows_of(m: Matmul, plan: Plan, sizes: Mapping[str, int], workload: Workload
     tokens = _tokens_per_device(plan, sizes, workload)
     if not m.experts:
         return tokens
+    if not workload.seq_len:  # no tokens: nothing is dispatched
+        return 0.0
     return tokens / workload.seq_len * m.experts * _capacity(workload, m.experts)
 
 

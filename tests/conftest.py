@@ -29,3 +29,25 @@ def run_cli(capsys, *args):
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def train_steps(model, plan, mesh, *, steps, batch_size):
+    """``steps`` SGD-with-momentum steps of ``model`` under ``plan`` from seed 0 on the built-in data: the
+    losses, the final state and the step. SGD with momentum: parameter differences are then the gradient
+    differences times the step size, so a wrong reduction shows plainly (Adam would magnify reduction-order
+    noise in near-zero gradients instead), and momentum gives an optimizer state to lay out as well."""
+    import optax
+
+    import spmd
+    from spmd import data, models
+
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(
+        models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params, staged=model.staged
+    )
+    state = step.init(model.init, jax.random.key(0))
+    losses = []
+    for i in range(steps):
+        state, loss = step(state, data.batch(0, i, batch_size, model.config.seq_len, model.config.vocab))
+        losses.append(float(loss))
+    return np.array(losses), state, step

@@ -100,3 +100,13 @@ def test_schedule_validation_script():
     assert set(rows) == {"100", "300"}, out
     assert rows["300"][0].strip() == "1,200" and float(rows["300"][-1]) == 3.0, out  # gpipe, 2 microbatches
     assert "growth 1,200/400 actions" in out, out
+
+
+@pytest.mark.slow
+def test_explicit_axes_script():
+    out = run_script("explicit_axes.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16")
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert {row.split("│")[1].strip() for row in rows} == {"fsdp", "dp+tp"}, out
+    for row in rows:  # one compiled program on either kind of mesh: the same collectives and memory
+        cells = [cell.strip() for cell in row.split("│")[1:-1]]
+        assert cells[2] == "identical" and cells[3] == cells[4] and cells[5] == cells[6], row

@@ -1,8 +1,10 @@
 """The command line: the JSON contract, the demo end to end, and one clear line for every user mistake."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +87,20 @@ def test_run_with_a_user_factory(capsys):
     )
     assert code == 0, out
     assert len(json.loads(out)["losses"]) == 2
+
+
+def test_the_spmd_command_finds_a_user_module_in_the_working_directory(tmp_path):
+    # The console script's own directory, not the working one, starts its path (python -P here): a module beside
+    # the user is still found, as under `python -m spmd`.
+    (tmp_path / "mymodule.py").write_text(Path(__file__).with_name("test_third_party_lm.py").read_text())
+    entry = "import sys; from spmd.cli import command_line; sys.argv[0] = 'spmd'; command_line()"
+    args = ["plan", "--model", "mymodule:factory", "--mesh", "data=8", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    r = subprocess.run(
+        [sys.executable, "-P", "-c", entry, *args], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "mymodule:factory"
 
 
 def test_compare_rows_and_plot(capsys, tmp_path):
@@ -215,3 +231,20 @@ def test_suggest_picks_a_plan_that_fits_where_dp_does_not(capsys):
     times = [r["modelled"]["step_time"]["total_s"] for r in ranked if r["fits"]]
     assert times == sorted(times)
     assert {r["strategy"] for r in ranked} >= {"dp", "zero1", "zero2", "zero3", "dp+fsdp", "dp+tp", "dp+sp"}
+
+
+def test_remat_is_claimed_only_where_the_model_applies_it(capsys):
+    # fsdp asks the model to rematerialise its layers: the built-in GPT does, a user's factory need not.
+    mesh = ["--mesh", "fsdp=8", "--strategy", "fsdp", "--json"]
+    code, out, err = run_cli(capsys, "plan", "--model", "tests.test_third_party_lm:factory", *mesh)
+    assert code == 0, err
+    user = json.loads(out)
+    assert "rematerialised" not in user["plan"]
+    assert any(w.startswith("remat: the plan asks the model to rematerialise") for w in user["warnings"])
+    code, out, err = run_cli(capsys, "run", "--model", "tests.test_third_party_lm:factory", "--steps", "1", *mesh)
+    assert code == 0 and "rematerialised" not in json.loads(out)["plan"], err
+    code, out, err = run_cli(capsys, "plan", "--layers", "1", *mesh)
+    assert code == 0, err
+    builtin = json.loads(out)
+    assert builtin["plan"].endswith("layers rematerialised")
+    assert not any(w.startswith("remat:") for w in builtin["warnings"])

@@ -9,7 +9,7 @@ import pytest
 import spmd
 import strategies
 from spmd import costmodel, data, models
-from tests.conftest import assert_trees_close
+from tests.conftest import assert_trees_close, train_steps
 
 STEPS, BATCH = 3, 16
 # (data, fsdp, tensor) sizes: three shapes per composition, chosen so the composition's own axes are split.
@@ -61,17 +61,8 @@ def _model(kind):
 
 
 def _train(model, plan, mesh):
-    # SGD with momentum: parameter differences are then the gradient differences times the step size, so a
-    # wrong reduction shows plainly (Adam would magnify reduction-order noise in near-zero gradients instead;
-    # the CLI's Adam runs are checked in test_cli). Momentum gives an optimizer state to lay out as well.
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
-    state = step.init(model.init, jax.random.key(0))
-    losses = []
-    for i in range(STEPS):
-        state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
-        losses.append(float(loss))
-    return np.array(losses), state
+    # The CLI's Adam runs are checked in test_cli (see train_steps for why SGD with momentum here).
+    return train_steps(model, plan, mesh, steps=STEPS, batch_size=BATCH)[:2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import spmd
 import strategies
 from spmd import cli, data, models
 from spmd.models.moe import route
-from tests.conftest import assert_trees_close
+from tests.conftest import assert_trees_close, train_steps
 
 STEPS, BATCH, LAYERS = 3, 16, 2
 # (mesh, strategy): experts and batch on one axis; and data parallel across expert-parallel groups.
@@ -26,15 +26,7 @@ def _model():
 
 
 def _train(plan, mesh):
-    model = _model()
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
-    state = step.init(model.init, jax.random.key(0))
-    losses = []
-    for i in range(STEPS):
-        state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
-        losses.append(float(loss))
-    return np.array(losses), state, step
+    return train_steps(_model(), plan, mesh, steps=STEPS, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")

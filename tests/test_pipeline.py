@@ -13,7 +13,7 @@ import strategies
 from spmd import costmodel, data, models
 from spmd._pipeline import IDLE, Placement
 from spmd.pipeline import Costs, ScheduleError, simulate, tick_program
-from tests.conftest import assert_trees_close, run_cli
+from tests.conftest import assert_trees_close, run_cli, train_steps
 
 STEPS, BATCH, LAYERS = 2, 16, 8
 MESHES = {
@@ -31,17 +31,7 @@ CASES = [
 
 
 def _train(plan, mesh, name="gpt-tiny"):
-    model = models.get(name, layers=LAYERS, remat=plan.remat)
-    params = jax.eval_shape(model.init, jax.random.key(0))
-    step = spmd.TrainStep(
-        models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params, staged=model.staged
-    )
-    state = step.init(model.init, jax.random.key(0))
-    losses = []
-    for i in range(STEPS):
-        state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
-        losses.append(float(loss))
-    return np.array(losses), state, step
+    return train_steps(models.get(name, layers=LAYERS, remat=plan.remat), plan, mesh, steps=STEPS, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,11 @@
 """Plans as data: resolution of rules, composition, and the errors for plans that cannot apply."""
 
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +45,44 @@ def test_a_rule_that_matches_nothing_warns_and_strict_mode_raises():
         plan.specs({"kernel": sds(4)}, SIZES)
     with pytest.raises(PlanError, match=r"strict plan: rules: rule 'no_such_param' matched nothing"):
         plan.with_strict().specs({"kernel": sds(4)}, SIZES)
+
+
+def test_an_unmatched_rule_is_said_once_for_a_step_and_its_report():
+    # A step resolves its parameters, gradients and optimizer state, and its report resolves them again: under
+    # Python's default warning filters (a fresh process) the unmatched rule is one warning, not four.
+    script = (
+        "import spmd; spmd.emulate_devices(8); import jax, optax, strategies; from spmd import data, models\n"
+        "model = models.get('gpt-tiny', layers=1)\n"
+        "plan = strategies.data_parallel() + spmd.Plan.from_logical_rules([('kv_heads', 'tensor')])\n"
+        "step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan,\n"
+        "    spmd.make_mesh({'data': 4, 'tensor': 2}), params=jax.eval_shape(model.init, jax.random.key(0)))\n"
+        "spmd.report(step, data.batch(0, 0, 8, 32, 256))\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("rule 'kv_heads' matched nothing") == 1, r.stderr
+
+
+def test_a_strategy_that_splits_nothing_in_the_model_is_said():
+    # tensor_parallel knows logical names and common projection names; this model has neither, so 'tensor'
+    # would only replicate the work: a warning names the axis and the strategy (and the report repeats it).
+    params = {"conv": {"kernel": sds(3, 3, 3, 16)}, "dense": {"kernel": sds(1024, 10)}}
+    plan = strategies.data_parallel() + strategies.tensor_parallel()
+    mesh = spmd.make_mesh({"data": 2, "tensor": 4})
+    loss = lambda p, b: jnp.sum(p["dense"]["kernel"]) * jnp.mean(b["x"])  # noqa: E731
+    with pytest.warns(PlanWarning, match=r"mesh axis 'tensor' \(4 devices\) splits no parameter.*tensor_parallel"):
+        step = spmd.TrainStep(loss, optax.sgd(0.1), plan, mesh, params=params)
+    assert any(
+        "'tensor' (4 devices) splits no parameter" in w for w in spmd.report(step, {"x": jnp.ones((8, 4))}).warnings
+    )
+    # Where the rules match, the axis splits and nothing is said.
+    named = {"fc1": {"kernel": sds(16, 64)}, "fc2": {"kernel": sds(64, 16)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanWarning)
+        spmd.TrainStep(lambda p, b: 0.0, optax.sgd(0.1), plan, mesh, params=named)
 
 
 def test_strict_mode_rejects_an_uncovered_parameter():

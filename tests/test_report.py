@@ -106,3 +106,48 @@ def test_sequence_parallel_turns_tensor_all_reduces_into_reduce_scatter_and_all_
         assert not any("collective traffic" in w for w in r.warnings)
     kinds = {(t.kind, t.axes) for t in sp.analytic_collectives}
     assert {("reduce-scatter", ("tensor",)), ("all-gather", ("tensor",))} <= kinds
+
+
+def test_a_batch_without_token_arrays_is_reported_with_its_workload_unknown():
+    # An image classifier: no [batch, seq] array to read a workload from. The compiled side is whole, the
+    # analytic side is the parameters' (the gradient all-reduce, to the byte), and what needs the workload is None.
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(16, (3, 3))(x))
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    model, batch = CNN(), {"image": jnp.ones((16, 8, 8, 3)), "label": jnp.zeros((16,), jnp.int32)}
+
+    def loss(params, b):
+        logits = model.apply(params, b["image"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).mean()
+
+    params = jax.eval_shape(model.init, jax.random.key(0), batch["image"])
+    step = spmd.TrainStep(
+        loss, optax.adam(1e-3), strategies.data_parallel(), spmd.make_mesh({"data": 8}), params=params
+    )
+    r = spmd.report(step, batch)
+    d = r.to_dict()
+    assert d["flops_per_device"] is None and d["modelled_step_time"] is None
+    assert d["analytic_memory"]["argument_bytes"] == d["compiled_memory"]["argument_bytes"]
+    assert "temp_bytes" not in d["analytic_memory"]
+    assert [(c.kind, c.axes) for c in r.collectives] == [("all-reduce", ("data",))]
+    assert abs(d["comm_bytes_per_step"]["analytic"] - d["comm_bytes_per_step"]["compiled"]) <= 8
+    assert any(w.startswith("workload unknown: the batch has no (batch, seq) token array") for w in r.warnings)
+    # Given a workload, the analytic side is whole again.
+    given = spmd.report(step, batch, workload=spmd.costmodel.Workload(batch=16, seq_len=64)).to_dict()
+    assert given["flops_per_device"] > 0 and "temp_bytes" in given["analytic_memory"]
+
+
+def test_the_terminal_view_prints_warnings_as_they_are(mlp):
+    # A regex rule's brackets are not rich markup: the warning reads as the rule was written.
+    plan = strategies.data_parallel() + spmd.Plan.from_rules([(r"no_such/w[io]/kernel", (None, None))])
+    params = jax.eval_shape(mlp.init, jax.random.key(0))
+    with pytest.warns(spmd.PlanWarning):
+        step = spmd.TrainStep(models.loss_fn(mlp), optax.adam(1e-3), plan, spmd.make_mesh({"data": 8}), params=params)
+        r = spmd.report(step, data.batch(0, 0, BATCH, mlp.config.seq_len, mlp.config.vocab))
+    assert "rule 'no_such/w[io]/kernel' matched nothing" in str(r)

@@ -83,3 +83,31 @@ def test_shard_places_a_boxed_tree():
     placed = spmd.shard(tree, spmd.Plan.from_logical_rules([("embed", "fsdp")]), mesh)
     assert placed["w"].sharding.spec == P("fsdp", None)
     np.testing.assert_array_equal(np.asarray(placed["w"]), np.ones((16, 4)))
+
+
+def test_a_step_built_from_an_nnx_state_trains_and_holds_arrays():
+    # init_fn returns an nnx.State of nnx.Param Variables (flax's docs): the step stores their arrays, and the
+    # loss merges them back into the module, one update equal to plain SGD on one device.
+    from flax import nnx
+
+    def build(key):
+        return nnx.Linear(4, 8, rngs=nnx.Rngs(params=key))
+
+    graphdef = nnx.graphdef(build(jax.random.key(0)))
+    init_fn = lambda key: nnx.state(build(key), nnx.Param)  # noqa: E731
+    loss = lambda p, b: jnp.mean(nnx.merge(graphdef, p)(b["x"]) ** 2)  # noqa: E731
+    mesh = spmd.make_mesh({"fsdp": 8})
+    params = jax.eval_shape(init_fn, jax.random.key(1))
+    step = spmd.TrainStep(loss, optax.sgd(0.1), strategies.fsdp(min_bytes=0), mesh, params=params)
+    state = step.init(init_fn, jax.random.key(1))
+    assert all(
+        isinstance(x, jax.Array) for x in jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    )
+    batch = {"x": jnp.arange(32.0).reshape(8, 4) / 32}
+    state, value = step(state, batch)
+    start = jax.tree.map(np.asarray, nnx.state(build(jax.random.key(1)), nnx.Param))
+    expected, grads = jax.value_and_grad(loss)(start, batch)
+    np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
+    trained = jax.tree.map(lambda p, g: p - 0.1 * g, start, grads)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)

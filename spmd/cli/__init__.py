@@ -112,6 +112,10 @@ def command_line() -> NoReturn:
     """The ``spmd`` executable: :func:`main`, then exit with its status, at once if threads of a library
     (orbax's background writers after a failure) would otherwise keep the process alive or print while the
     interpreter shuts down."""
+    # `--model mymodule:factory` finds a module in the working directory, as under `python -m spmd` (a console
+    # script's path starts at its own directory instead); last, so that no file there shadows a library.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     status = main()
     sys.stdout.flush()
     sys.stderr.flush()

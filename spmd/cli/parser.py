@@ -106,6 +106,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help="built-in name, or package.module:factory")
     p.add_argument("--mesh", default="data=-1", help="axis=size pairs, e.g. data=2,fsdp=2,tensor=2")
     p.add_argument("--dcn", help="how many processes/slices each axis spans, e.g. data=2 (the rest is within one)")
+    p.add_argument(
+        "--axis-types",
+        choices=("auto", "explicit"),
+        default="explicit",
+        help="the mesh's axis types: explicit (JAX's default: arrays carry their sharding in their type) or auto",
+    )
     p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
     p.add_argument("--layers", type=int, help="override the model's number of layers")
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")

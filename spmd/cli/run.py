@@ -24,7 +24,8 @@ def command(args: argparse.Namespace) -> int:
         "mesh": dict(s.mesh.shape),
         "processes": jax.process_count(),
         "strategy": args.strategy,
-        "plan": s.plan.describe(),
+        "axis_types": s.mesh.axis_types[0].name.lower(),
+        "plan": run.step.plan_carried_out(s.abstract_batch()).describe(),  # no remat claimed where none is applied
         "losses": run.losses,
         "per_device_bytes": costmodel.model_state_bytes(run.step.layout),
     }

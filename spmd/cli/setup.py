@@ -73,12 +73,13 @@ def setup(
 ) -> Setup:
     """The setup the command line asks for (``model_name``, ``mesh_text``, ``strategy``: instead of the flags').
     Strategies the cost model chooses get their context here, and a device profile makes the plan uneven."""
-    mesh = _mesh(spmd.parse_mesh(mesh_text or args.mesh), _dcn(args))
+    explicit = getattr(args, "axis_types", "explicit") == "explicit"  # the demo has no flag: the default
+    mesh = _mesh(spmd.parse_mesh(mesh_text or args.mesh), _dcn(args), explicit)
     profile = profile_of(args, mesh.size)
     if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1:
         # Devices of one kind together, so that the groups along the inner axes stay inside one kind.
         order = strategies.hetero.kind_order(profile, dict(mesh.shape))
-        mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order])
+        mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
     name = model_name or args.model
     model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
@@ -135,9 +136,9 @@ def _plan(
     )
 
 
-def _mesh(shape: dict[str, int], dcn: dict[str, int] | None) -> jax.sharding.Mesh:
+def _mesh(shape: dict[str, int], dcn: dict[str, int] | None, explicit: bool) -> jax.sharding.Mesh:
     if dcn is None:
-        return spmd.make_mesh(shape)
+        return spmd.make_mesh(shape, explicit=explicit)
     # What --dcn splits: slices on multi-slice TPU, else processes (as spmd.make_mesh groups devices).
     slices = len({getattr(d, "slice_index", None) for d in jax.devices()} - {None})
     granules = slices if slices > 1 else jax.process_count()
@@ -147,7 +148,7 @@ def _mesh(shape: dict[str, int], dcn: dict[str, int] | None) -> jax.sharding.Mes
             f"{'slices' if slices > 1 else 'processes'} between them, and this job has {granules}; give --dcn "
             f"sizes whose product is {granules}" + (", or leave --dcn out in a single process" if granules == 1 else "")
         )
-    return spmd.make_mesh(shape, dcn=dcn)
+    return spmd.make_mesh(shape, dcn=dcn, explicit=explicit)
 
 
 def _dcn(args: argparse.Namespace) -> dict[str, int] | None:

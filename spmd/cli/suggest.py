@@ -40,7 +40,8 @@ def command(args: argparse.Namespace) -> int:
 
     def compile_report(mesh_axes: dict, plan: spmd.Plan) -> spmd.Report:
         built = models.rematerialised(model) if plan.remat and args.model in models.BUILTIN else model
-        step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, spmd.make_mesh(mesh_axes), params=params)
+        mesh = spmd.make_mesh(mesh_axes, explicit=args.axis_types == "explicit")
+        step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params)
         return spmd.report(step, batch, hardware=hardware)
 
     confirmed = search.confirm(ranked, compile_report, memory_per_device=budget, top=args.confirm)
