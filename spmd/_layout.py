@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from spmd._rules import entry, to_spec
+from spmd._rules import PlanWarning, entry, to_spec, user_stacklevel
 from spmd._tree import Leaf
 
 if TYPE_CHECKING:
@@ -187,19 +187,25 @@ def resolve_state(
     (P(None, None), [P(), P('data', None), P('data', None)])
     """
     trained = annotated_params if trained is None else trained
-    # The parameters, gradients and optimizer state are resolved apart, each time with the same rules: what
-    # they warn about is said once, from the caller.
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        params = plan.resolve(annotated_params, mesh)
-        grads = plan.resolve(trained, mesh, role="grads")
-        moments = plan.resolve(trained, mesh, role="optimizer")
-        # The optimizer updates the stored (block-padded) parameters, or the executor's own arrays, and its
-        # state mirrors them; their gradients are stored so too.
-        stored = params if trained is annotated_params else grads
-        opt_state = plan.resolve(jax.eval_shape(optimizer.init, stored_abstract(stored)), mesh, params=trained)
-    for message in dict.fromkeys((w.category, str(w.message)) for w in said):
-        warnings.warn(message[1], message[0], stacklevel=3)
+    # The parameters, gradients and optimizer state are resolved apart, each time with the same rules: what the
+    # plan warns about is said once, at the user's line; other warnings pass through as they were raised.
+    said: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", PlanWarning)
+            params = plan.resolve(annotated_params, mesh)
+            grads = plan.resolve(trained, mesh, role="grads")
+            moments = plan.resolve(trained, mesh, role="optimizer")
+            # The optimizer updates the stored (block-padded) parameters, or the executor's own arrays, and its
+            # state mirrors them; their gradients are stored so too.
+            stored = params if trained is annotated_params else grads
+            opt_state = plan.resolve(jax.eval_shape(optimizer.init, stored_abstract(stored)), mesh, params=trained)
+    finally:  # said even when a later resolution fails
+        for message in dict.fromkeys(str(w.message) for w in said if issubclass(w.category, PlanWarning)):
+            warnings.warn(message, PlanWarning, stacklevel=user_stacklevel())
+        for w in said:
+            if not issubclass(w.category, PlanWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     return StateLayout(params, grads, opt_state, moments, stored)
 
 

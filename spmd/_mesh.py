@@ -187,13 +187,13 @@ def auto_twin(mesh: Mesh) -> Mesh:
     (flax's eager sharding refuses such meshes too).
     """
     kinds = set(mesh.axis_types)
-    if kinds == {AxisType.Auto}:
+    if kinds <= {AxisType.Auto}:
         return mesh
     if kinds != {AxisType.Explicit}:
         shown = ", ".join(f"{name}: {kind.name}" for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True))
         raise ValueError(
-            f"mesh axes of mixed types ({shown}); give every axis the same type, all Explicit (jax.make_mesh's "
-            f"default, spmd.make_mesh(..., explicit=True)) or all Auto"
+            f"mesh axes of types {shown}; a plan needs every axis Explicit (jax.make_mesh's default, "
+            f"spmd.make_mesh(..., explicit=True)) or every axis Auto"
         )
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
@@ -236,17 +236,25 @@ def retyped(tree: Any, mesh: Mesh) -> Any:
     (P('data',), (Auto,))
     """
 
+    def relabelled(sharding: NamedSharding) -> NamedSharding:
+        if sharding.mesh == mesh:
+            return sharding
+        other = sharding.mesh
+        if other.axis_names != mesh.axis_names or other.devices.shape != mesh.devices.shape:
+            raise ValueError(f"retyped: {other} and {mesh} have other axes; only the axis types may differ")
+        if (other.devices != mesh.devices).any():
+            raise ValueError(f"retyped: {other} and {mesh} hold other devices; only the axis types may differ")
+        return NamedSharding(mesh, sharding.spec)
+
     def one(x: Any) -> Any:
         if isinstance(x, NamedSharding):
-            return x if x.mesh == mesh else NamedSharding(mesh, x.spec)
+            return relabelled(x)
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
             return x
-        if sharding.mesh.devices.shape != mesh.devices.shape or (sharding.mesh.devices != mesh.devices).any():
-            raise ValueError(f"retyped: {sharding.mesh} and {mesh} hold other devices; only the axis types may differ")
         if isinstance(x, jax.ShapeDtypeStruct):
-            return x.update(sharding=one(sharding))
+            return x.update(sharding=relabelled(sharding))
         shards = [shard.data for shard in x.addressable_shards]
-        return jax.make_array_from_single_device_arrays(x.shape, one(sharding), shards)
+        return jax.make_array_from_single_device_arrays(x.shape, relabelled(sharding), shards)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, NamedSharding))

@@ -17,7 +17,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._layout import Layout, LeafLayout, row
-from spmd._rules import ROLES, Part, PlanError, assign_by_rules, axis_used_twice, entry, quote, to_spec
+from spmd._rules import (
+    ROLES,
+    Part,
+    PlanError,
+    PlanWarning,
+    assign_by_rules,
+    axis_used_twice,
+    entry,
+    quote,
+    to_spec,
+    user_stacklevel,
+)
 from spmd._tree import Leaf, leaves_with_paths, rebuild
 
 if TYPE_CHECKING:
@@ -35,18 +46,6 @@ __all__ = [
     "sizes_of",
     "unused_axes",
 ]
-
-
-class PlanWarning(UserWarning):
-    """Something in a plan that is probably a mistake but does not stop it (e.g. a rule matching nothing).
-
-    >>> import spmd, warnings, numpy as np
-    >>> with warnings.catch_warnings(record=True) as seen:
-    ...     warnings.simplefilter("always")
-    ...     _ = spmd.Plan.from_rules([("nothing", (None,))]).specs({"w": np.zeros(2)})
-    >>> str(seen[0].message)
-    "rules: rule 'nothing' matched nothing"
-    """
 
 
 def sizes_of(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
@@ -141,7 +140,7 @@ class _Resolver:
         if out:
             if self.plan.strict:
                 raise PlanError(f"strict plan: {out[0]} (and {len(out) - 1} more); fix or remove the rule")
-            warnings.warn("; ".join(out), PlanWarning, stacklevel=5)
+            warnings.warn("; ".join(out), PlanWarning, stacklevel=user_stacklevel())
         return out
 
     def one(self, leaf: Leaf) -> LeafLayout:
@@ -374,7 +373,7 @@ def check_unused_axes(plan: Plan, mesh: Any, layout: Any = None) -> None:
     for text in texts:
         if plan.strict:
             raise PlanError(f"strict plan: {text}")
-        warnings.warn(text, PlanWarning, stacklevel=3)
+        warnings.warn(text, PlanWarning, stacklevel=user_stacklevel())
     idle = idle_axes(plan, layout, mesh) if layout is not None else {}
     if idle:  # a warning even under a strict plan: the model's activation constraints may use the axis
-        warnings.warn(idle_axes_text(idle, mesh), PlanWarning, stacklevel=3)
+        warnings.warn(idle_axes_text(idle, mesh), PlanWarning, stacklevel=user_stacklevel())

@@ -8,7 +8,9 @@ and describes itself in a few words. A plan merges the proposals of its parts di
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -24,6 +26,7 @@ __all__ = [
     "Part",
     "PathRules",
     "PlanError",
+    "PlanWarning",
     "Proposal",
     "ShardLargest",
     "assign_by_rules",
@@ -31,6 +34,7 @@ __all__ = [
     "axis_used_twice",
     "entry",
     "to_spec",
+    "user_stacklevel",
 ]
 
 ROLES = ("params", "grads", "optimizer")  # the three roles of the training state a plan lays out
@@ -465,3 +469,34 @@ def quote(path: str) -> str:
     "'^params/w$'"
     """
     return repr("^" + re.escape(path) + "$")
+
+
+_OURS = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "strategies"),
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller of this function point at the first frame
+    outside spmd and the strategies: the user's line that built the plan or the step.
+
+    >>> user_stacklevel() >= 1
+    True
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class PlanWarning(UserWarning):
+    """Something in a plan that is probably a mistake but does not stop it (e.g. a rule matching nothing).
+
+    >>> import spmd, warnings, numpy as np
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     _ = spmd.Plan.from_rules([("nothing", (None,))]).specs({"w": np.zeros(2)})
+    >>> str(seen[0].message)
+    "rules: rule 'nothing' matched nothing"
+    """

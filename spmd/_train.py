@@ -226,9 +226,9 @@ class TrainStep:
         return self._program(batch)[0]
 
     def rematerialises(self, batch: Any) -> bool:
-        """Whether the step for this batch recomputes activations in its backward pass, read from the traced
-        program: whether the model applies what ``plan.remat`` asks of it (``jax.checkpoint``, ``nn.remat``,
-        ``spmd.models.rematerialised``).
+        """Whether the step for this batch recomputes activations in its backward pass: a ``jax.checkpoint``
+        (``nn.remat``, ``spmd.models.rematerialised``) anywhere in the traced program. What ``plan.remat`` asks is
+        each layer rematerialised; a model that rematerialises only some part still counts as applying it.
 
         >>> import spmd, optax, jax, jax.numpy as jnp
         >>> params = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}

@@ -33,7 +33,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 
 from spmd import axes as A
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
@@ -103,10 +104,9 @@ class Workload:
     def from_batch(cls, batch: Any, **options: Any) -> Workload:
         """Reads ``[batch, seq]`` from the batch's first rank-2 integer array, its tokens (arrays or
         ShapeDtypeStructs); a float ``[batch, features]`` array or one-hot labels are not tokens."""
-        leaves = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Iterable) else [batch]
-        for x in leaves:
-            shape = tuple(getattr(x, "shape", ()))
-            if len(shape) == 2 and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer):
+        for x in jax.tree.leaves(batch):
+            shape, dtype = tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)
+            if len(shape) == 2 and dtype is not None and jnp.issubdtype(dtype, jnp.integer):
                 return cls(batch=int(shape[0]), seq_len=int(shape[1]), **options)
         raise ValueError("costmodel.Workload.from_batch: no [batch, seq] token array in the batch; build a Workload")
 

@@ -84,7 +84,7 @@ def test_checkpoints_restore_onto_explicit_axes_keeping_them(tmp_path):
 def test_a_mesh_mixing_explicit_and_auto_axes_is_refused():
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit, AxisType.Auto))
     params = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
-    with pytest.raises(ValueError, match=r"mesh axes of mixed types \(data: Explicit, fsdp: Auto\); give every axis"):
+    with pytest.raises(ValueError, match=r"mesh axes of types data: Explicit, fsdp: Auto; a plan needs every axis"):
         spmd.TrainStep(lambda p, b: 0.0, optax.sgd(0.1), strategies.fsdp(), mesh, params=params)
 
 
