@@ -33,6 +33,7 @@ __all__ = [
     "as_entries",
     "axis_used_twice",
     "entry",
+    "is_activation_name",
     "to_spec",
     "user_stacklevel",
 ]
@@ -302,10 +303,24 @@ class LogicalRules:
         return self.rules
 
     def unused(self, hits: set[int]) -> list[str]:
-        return _unused_rules(self, hits)
+        # A logical rule lays out activations that name it too (spmd.constrain, flax's with_logical_constraint):
+        # one for an activation name (MaxText's ``activation_*``, spmd's ``batch`` and ``seq``) that no parameter
+        # names is doing what it is for, and is not reported as matching nothing.
+        for_activations = {i for i, (name, _) in enumerate(self.rules) if is_activation_name(name)}
+        return _unused_rules(self, hits | for_activations)
 
     def describe(self) -> str:
         return self.source
+
+
+def is_activation_name(name: str) -> bool:
+    """Whether a logical name names activations only: MaxText's ``activation_*`` names, spmd's ``batch`` and
+    ``seq``. Rules for them match no parameter by design.
+
+    >>> is_activation_name("activation_length"), is_activation_name("seq"), is_activation_name("mlp")
+    (True, True, False)
+    """
+    return name.startswith("activation_") or name in ("batch", "seq")
 
 
 def _rule(rule: tuple[str, tuple[str, ...]]) -> str:

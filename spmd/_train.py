@@ -13,7 +13,7 @@ import optax
 from jax.extend.core import subjaxprs
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd._context import activate
+from spmd._context import activate, initialising
 from spmd._executor import Executor, Task, plain
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
@@ -125,7 +125,9 @@ class TrainStep:
         ex, layout = self.executor, self.layout
 
         def create(rng: jax.Array) -> TrainState:
-            stored = ex.to_stored(init_fn(rng))
+            with initialising(self.traced_mesh):  # the model's own PartitionSpec constraints find their mesh
+                created = init_fn(rng)
+            stored = ex.to_stored(created)
             params = pad(unbox(stored), layout.params)
             opt_state = self.optimizer.init(pad(unbox(ex.to_trained(stored)), layout.trained))
             return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
@@ -136,7 +138,8 @@ class TrainStep:
         """Creates the training state directly in its sharded layout: each device computes only its own shards,
         so no device ever holds a full replica of a sharded parameter. ``init_fn(rng)`` returns the parameters
         the step was built for (the same tree, shapes and dtypes), optionally with flax logical annotations."""
-        made = _signature(unbox(jax.eval_shape(init_fn, rng)))
+        with initialising(self.traced_mesh):
+            made = _signature(unbox(jax.eval_shape(init_fn, rng)))
         if made != _signature(unbox(self.model_params)):
             raise PlanError(
                 "TrainStep.init: init_fn makes other parameters than the step was built for (params=); build the "

@@ -16,6 +16,7 @@ import optax
 import spmd
 import strategies
 from spmd import costmodel, data, models
+from spmd._context import initialising
 from spmd.cli.parser import UsageError
 from spmd.devices import Profile, parse_bytes
 from spmd.execution import PipelineSpec
@@ -82,8 +83,9 @@ def setup(
         mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
     name = model_name or args.model
-    model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
-    params = jax.eval_shape(model.init, jax.random.key(args.seed))  # planned once, for every use
+    with initialising(mesh):  # a user's model may constrain by PartitionSpec: its mesh is this one
+        model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
+        params = jax.eval_shape(model.init, jax.random.key(args.seed))  # planned once, for every use
     hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)
     plan = _plan(args, strategy or args.strategy, model, params, mesh, hardware, optimizer, profile)
     if isinstance(plan.execution, PipelineSpec) and model.staged is None:

@@ -223,9 +223,17 @@ def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConf
 def _check_contract(model: Model) -> None:
     """Traces (never runs) init and apply: a user model that breaks the contract fails early and clearly."""
     c = model.config
-    params = jax.eval_shape(model.init, jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((2, c.seq_len), jnp.int32)
-    logits = jax.eval_shape(model.apply, unbox(params), tokens)
+    try:
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        logits = jax.eval_shape(model.apply, unbox(params), tokens)
+    except RuntimeError as e:
+        if "non-empty mesh" not in str(e) or not jax.sharding.get_abstract_mesh().empty:
+            raise
+        raise ValueError(
+            f"model {model.name!r} constrains a layout by a bare PartitionSpec, which needs a context mesh to be "
+            "traced: build it under spmd.activate(plan, mesh) (or jax.set_mesh(mesh)), or pass check=False"
+        ) from e
     expected = (2, c.seq_len, c.vocab)
     if getattr(logits, "shape", None) != expected or not jnp.issubdtype(logits.dtype, jnp.floating):
         got = getattr(logits, "shape", type(logits).__name__)
