@@ -17,6 +17,7 @@ import spmd
 import strategies
 from spmd import costmodel, data, models
 from spmd._context import initialising
+from spmd._mesh import auto_twin
 from spmd.cli.parser import UsageError
 from spmd.devices import Profile, parse_bytes
 from spmd.execution import PipelineSpec
@@ -83,7 +84,7 @@ def setup(
         mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
     name = model_name or args.model
-    with initialising(mesh):  # a user's model may constrain by PartitionSpec: its mesh is this one
+    with initialising(auto_twin(mesh)):  # a model may constrain by PartitionSpec: this mesh, traced over Auto axes
         model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
         params = jax.eval_shape(model.init, jax.random.key(args.seed))  # planned once, for every use
     hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)

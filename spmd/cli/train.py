@@ -259,7 +259,9 @@ def _on_host(tree: Any) -> Any:
 
 def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     """The same training on a single device (of this process), from the same initial parameters and data."""
-    one = spmd.make_mesh({"data": 1}, devices=jax.local_devices()[:1])
+    # The run's axis names, each of one device: a model's own PartitionSpec constraints name them.
+    explicit = jax.sharding.AxisType.Explicit in s.mesh.axis_types
+    one = spmd.make_mesh({a: 1 for a in s.mesh.axis_names}, devices=jax.local_devices()[:1], explicit=explicit)
     plain = dataclasses.replace(s, mesh=one, plan=spmd.Plan(), profile=None)  # the same non-finite policy too
     # The reference saves nothing: the run's checkpoints are the run's.
     alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False, "overwrite": False})
