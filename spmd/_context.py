@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import linen as nn
-from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._rules import is_activation_name
+from spmd._tree import leaves_with_paths
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
@@ -54,23 +54,26 @@ def activate(plan: Plan, mesh: jax.sharding.Mesh) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def initialising(mesh: jax.sharding.Mesh) -> Iterator[None]:
-    """Where spmd traces a user's init function: ``mesh`` is the context mesh, so the model's own bare
-    ``PartitionSpec`` constraints find it, but no constraint by logical names acts (``spmd.constrain``, flax's
-    ``with_logical_constraint``, nnx's eager sharding). Init runs the model on an example batch that need not
-    split (often one row), and the parameters it creates take the plan's layout from the jitted initialiser's
-    output shardings, which cover every part of the plan (fsdp and path rules too, which name no logical axis).
+def initialising(plan: Plan, mesh: jax.sharding.Mesh, params: Any = None) -> Iterator[None]:
+    """Where spmd traces a user's init function: the plan is flax's context as under :func:`activate` (the
+    model's own bare ``PartitionSpec`` constraints find their mesh, nnx finds its names' rules), except that
+    ``spmd.constrain`` does not act: init runs the model on an example batch that need not split (often one
+    row), which ``spmd.constrain`` would refuse. The created parameters take the plan's layout from the jitted
+    initialiser's output shardings, which cover every part of the plan (fsdp and path rules too). Every logical
+    name in ``params`` (abstract parameters, as annotated) has a rule: the plan's, or none -- left whole.
 
     >>> import spmd, jax.numpy as jnp
-    >>> with spmd.activate(spmd.Plan(batch_axes=("data",)), spmd.make_mesh({"data": -1})):
-    ...     with initialising(spmd.make_mesh({"data": -1})):
-    ...         spmd.constrain(jnp.ones((1, 4)), ("batch", None)).shape  # one row: left as it is
+    >>> plan, mesh = spmd.Plan(batch_axes=("data",)), spmd.make_mesh({"data": -1})
+    >>> with initialising(plan, mesh):
+    ...     spmd.constrain(jnp.ones((1, 4)), ("batch", None)).shape  # one row: left as it is
     (1, 4)
     """
+    named = {n for leaf in leaves_with_paths(params)[0] for n in leaf.names or () if isinstance(n, str)}
     token = _ACTIVE.set(None)
     try:
-        with _mesh_context(mesh), nn.logical_axis_rules(()), nnx.use_eager_sharding(False):
-            yield
+        with _mesh_context(mesh), nn.logical_axis_rules(flax_rules(plan, mesh, named)):
+            with nn.intercept_methods(_dense_general_unconstrained):
+                yield
     finally:
         _ACTIVE.reset(token)
 
@@ -79,9 +82,9 @@ def initialising(mesh: jax.sharding.Mesh) -> Iterator[None]:
 _BATCH_ALIASES = ("activation_batch", "activation_batch_no_exp", "activation_embed_and_logits_batch")
 
 
-def flax_rules(plan: Plan, mesh: jax.sharding.Mesh) -> list[tuple[str, Any]]:
+def flax_rules(plan: Plan, mesh: jax.sharding.Mesh, more: Iterable[str] = ()) -> list[tuple[str, Any]]:
     """The rules flax sees under :func:`activate`: the plan's; activation names derived from the names it shards;
-    then every other name spmd knows, left whole.
+    then every other name spmd knows (and each of ``more``), left whole.
 
     flax's nnx eager sharding keeps a name without a rule as a mesh axis name (and fails on it), where its linen
     constraints leave such a dimension whole: so every known name gets an entry. MaxText names an activation's
@@ -106,7 +109,7 @@ def flax_rules(plan: Plan, mesh: jax.sharding.Mesh) -> list[tuple[str, Any]]:
             out.append((derived, None if not model else model[0] if len(model) == 1 else model))
             mapped.add(derived)
     known = [getattr(names, n) for n in names.__all__ if isinstance(getattr(names, n), str)]
-    return out + [(name, None) for name in known if name not in mapped]
+    return out + [(name, None) for name in dict.fromkeys([*known, *sorted(more)]) if name not in mapped]
 
 
 def _mesh_context(mesh: jax.sharding.Mesh) -> contextlib.AbstractContextManager:

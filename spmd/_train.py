@@ -125,7 +125,7 @@ class TrainStep:
         ex, layout = self.executor, self.layout
 
         def create(rng: jax.Array) -> TrainState:
-            with initialising(self.traced_mesh):  # the model's own PartitionSpec constraints find their mesh
+            with initialising(self.plan, self.traced_mesh, self.model_params):
                 created = init_fn(rng)
             stored = ex.to_stored(created)
             params = pad(unbox(stored), layout.params)
@@ -138,7 +138,7 @@ class TrainStep:
         """Creates the training state directly in its sharded layout: each device computes only its own shards,
         so no device ever holds a full replica of a sharded parameter. ``init_fn(rng)`` returns the parameters
         the step was built for (the same tree, shapes and dtypes), optionally with flax logical annotations."""
-        with initialising(self.traced_mesh):
+        with initialising(self.plan, self.traced_mesh, self.model_params):
             made = _signature(unbox(jax.eval_shape(init_fn, rng)))
         if made != _signature(unbox(self.model_params)):
             raise PlanError(

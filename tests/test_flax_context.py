@@ -163,3 +163,43 @@ def test_rules_for_activations_only_are_not_reported_as_matching_nothing():
     text = " ".join(str(w.message) for w in said)
     assert "'vocab' matched nothing" in text
     assert "activation_" not in text
+
+
+class Custom(nnx.Module):
+    """An nnx model whose logical names are its own: no rule of the plan names them."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(16, 64, kernel_init=nnx.with_partitioning(init, ("width", "hid")), rngs=rngs)
+
+    def __call__(self, x):
+        return self.up(x)
+
+
+def test_an_nnx_model_with_names_no_rule_maps_trains_under_fsdp():
+    # init runs under the plan as flax's context: the model's own names are given rules (none: left whole),
+    # where flax would otherwise take them for mesh axes.
+    def init(rng):
+        with nnx.use_eager_sharding(False):
+            return nnx.state(Custom(nnx.Rngs(rng)), nnx.Param)
+
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: Custom(nnx.Rngs(0))))
+    loss = lambda p, b: jnp.mean(nnx.merge(graphdef, p)(b) ** 2)  # noqa: E731
+    mesh = spmd.make_mesh({"fsdp": 8})
+    step = spmd.TrainStep(
+        loss, optax.sgd(0.1), strategies.fsdp(min_bytes=0), mesh, params=jax.eval_shape(init, jax.random.key(0))
+    )
+    state = step.init(init, jax.random.key(0))
+    state, value = step(state, jnp.ones((8, 16)))
+    assert np.isfinite(float(value))
+    assert state.params["up"]["kernel"].sharding.spec == P(None, "fsdp")
+
+
+def test_the_command_line_plans_an_nnx_model_under_its_mesh(capsys):
+    from tests.conftest import run_cli
+
+    code, out, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny-nnx", "--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"
+    )
+    assert code == 0, err

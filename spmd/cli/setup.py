@@ -84,9 +84,7 @@ def setup(
         mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
     name = model_name or args.model
-    with initialising(auto_twin(mesh)):  # a model may constrain by PartitionSpec: this mesh, traced over Auto axes
-        model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
-        params = jax.eval_shape(model.init, jax.random.key(args.seed))  # planned once, for every use
+    model, params = _load(name, args, mesh)
     hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)
     plan = _plan(args, strategy or args.strategy, model, params, mesh, hardware, optimizer, profile)
     if isinstance(plan.execution, PipelineSpec) and model.staged is None:
@@ -98,6 +96,21 @@ def setup(
         model = models.rematerialised(model)
     on_nan = getattr(args, "on_nan", "stop")
     return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed, on_nan)
+
+
+def _load(name: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> tuple[models.Model, Any]:
+    """The model, and its parameters' shapes (planned once, for every use). A model that constrains a layout by a
+    bare PartitionSpec needs a context mesh to be traced: it is loaded again under this run's (over Auto axes)."""
+
+    def load() -> tuple[models.Model, Any]:
+        model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
+        return model, jax.eval_shape(model.init, jax.random.key(args.seed))
+
+    try:
+        return load()
+    except models.NeedsMesh:
+        with initialising(spmd.Plan(), auto_twin(mesh)):
+            return load()
 
 
 def _plan(

@@ -71,6 +71,7 @@ from spmd.models.nnx_module import nnx_module
 __all__ = [
     "BUILTIN",
     "LMConfig",
+    "NeedsMesh",
     "Model",
     "from_module",
     "get",
@@ -220,6 +221,14 @@ def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConf
     return Model(name=name, kind="nnx", config=config, init=init, apply=apply)
 
 
+class NeedsMesh(ValueError):
+    """A model constrains a layout by a bare ``PartitionSpec`` and was traced without a context mesh.
+
+    >>> issubclass(NeedsMesh, ValueError)
+    True
+    """
+
+
 def _check_contract(model: Model) -> None:
     """Traces (never runs) init and apply: a user model that breaks the contract fails early and clearly."""
     c = model.config
@@ -230,7 +239,7 @@ def _check_contract(model: Model) -> None:
     except RuntimeError as e:
         if "non-empty mesh" not in str(e) or not jax.sharding.get_abstract_mesh().empty:
             raise
-        raise ValueError(
+        raise NeedsMesh(
             f"model {model.name!r} constrains a layout by a bare PartitionSpec, which needs a context mesh to be "
             "traced: build it under spmd.activate(plan, mesh) (or jax.set_mesh(mesh)), or pass check=False"
         ) from e
