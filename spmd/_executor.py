@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
+from spmd._keys import StepKey, call
 from spmd.costmodel import Contribution, Workload
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class Executor(NamedTuple):
 
     - ``value_and_grad(stored, batch) -> (loss, grads)``: the mean loss of the batch and the gradients of the
       arrays the optimizer updates (``to_trained(stored)``), in their stored layout;
+    - ``keyed``: whether ``value_and_grad`` also takes the step's :class:`spmd._keys.StepKey` (a third argument,
+      given when the loss takes ``key=`` or ``step=``) and passes it on with :func:`spmd._keys.call`, folding
+      in the index of each part of the batch it calls the loss on. A step whose loss draws refuses an executor
+      that is not keyed, rather than drop the key;
     - ``to_stored(params)`` / ``to_model(stored)``: the model's parameters as stored, and back. ``to_stored``
       and ``to_trained`` also take boxed or abstract trees: the plan lays out what they return, and the logical
       names they add (as flax boxes: ``stage``, ``worker``) go to the axes the execution spec names;
@@ -112,6 +117,7 @@ class Executor(NamedTuple):
     to_trained: Callable[[Any], Any] = identity
     from_trained: Callable[[Any], Any] = identity
     splits_batch: bool = True
+    keyed: bool = False
     costs: Callable[[StateLayout, Any, Workload], Contribution] = _no_costs
     summary: Callable[[StateLayout, Any], Summary | None] = _no_summary
     branch_weights: Mapping[str, tuple[float, ...]] = types.MappingProxyType({})
@@ -136,4 +142,8 @@ def plain(task: Task) -> Executor:
     >>> ex.value_and_grad(jnp.ones(2), jnp.arange(2.0))[1].tolist()
     [0.0, 1.0]
     """
-    return Executor(jax.value_and_grad(task.loss))
+
+    def value_and_grad(stored: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
+        return jax.value_and_grad(lambda p: call(task.loss, p, batch, draw))(stored)
+
+    return Executor(value_and_grad, keyed=True)
