@@ -224,8 +224,20 @@ class TrainStep:
         return TrainState(state.step + 1, params, opt_state), loss
 
     def batch_shardings(self, batch: Any) -> Any:
-        """Where each batch array goes: split over the plan's batch axes, or whole on every device when the
-        executor takes its own share (uneven data parallelism, which takes any batch size)."""
+        """A ``NamedSharding`` per array of a global ``batch`` (arrays or ShapeDtypeStructs, each with a leading
+        batch dimension): the leading dimension split over the plan's batch axes, the rest whole; or the whole
+        array on every device when the executor takes its own share (uneven data parallelism, which takes any
+        batch size). A batch size the batch axes do not divide is an error naming the multiple to use. Across
+        processes, :func:`spmd.global_batch` builds the batch onto these shardings from each process's rows.
+
+        >>> import spmd, optax, jax, numpy as np
+        >>> mesh = spmd.make_mesh({"data": -1})
+        >>> params = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+        >>> step = spmd.TrainStep(lambda p, b: (b["x"] @ p["w"]).mean(), optax.sgd(0.1),
+        ...                       spmd.Plan(batch_axes=("data",)), mesh, params=params)
+        >>> step.batch_shardings({"x": jax.ShapeDtypeStruct((mesh.size, 3), np.float32)})["x"].spec
+        P('data', None)
+        """
         if not self.executor.splits_batch:
             return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), batch)
         return self.plan.batch_shardings(batch, self.mesh)
@@ -334,6 +346,8 @@ def place(tree: Any, shardings: Any) -> Any:
     """
 
     def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # already global (spmd.global_batch): no host copy to slice
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
         x = np.asarray(x)

@@ -95,7 +95,9 @@ def test_each_step_draws_its_own_masks_from_fold_in_of_the_seed():
 def test_the_same_seed_gives_the_same_run_and_another_seed_another(reference):
     again = train(spmd.Plan(), one_device())
     assert again[0] == reference[0]
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again[1]), jax.tree.leaves(reference[1])))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again[1]), jax.tree.leaves(reference[1]), strict=True)
+    )
     assert train(spmd.Plan(), one_device(), seed=1)[0] != reference[0]
 
 
@@ -105,7 +107,9 @@ def test_an_uneven_share_folds_in_the_index_of_its_microbatch():
     params = jax.device_get(jax.jit(init)(jax.random.key(0)))
     key = jax.random.fold_in(jax.random.key(3), 0)  # step 0
     parts = [
-        loss_fn(params, jax.tree.map(lambda x: x[2 * k : 2 * k + 2], BATCH), key=jax.random.fold_in(key, k), step=0)
+        loss_fn(
+            params, {name: x[2 * k : 2 * k + 2] for name, x in BATCH.items()}, key=jax.random.fold_in(key, k), step=0
+        )
         for k in range(16)
     ]
     np.testing.assert_allclose(loss, float(np.mean(parts)), rtol=1e-5)
