@@ -12,10 +12,11 @@ import pytest
 
 import spmd
 import strategies
-from spmd import models
+from spmd import data, models
 from tests.conftest import assert_trees_close
 
-assert jax.config.jax_threefry_partitionable  # what makes sharded draws equal one device's
+# Partitionable threefry lets each device draw only its own shard's bits and still match one device.
+assert jax.config.jax_threefry_partitionable
 
 
 class DropoutMLP(nn.Module):
@@ -147,3 +148,46 @@ def test_a_pipeline_refuses_a_loss_that_draws():
     mesh = spmd.make_mesh({"stage": 2}, devices=jax.devices()[:2])
     with pytest.raises(TypeError, match=r"pipeline gpipe .* does not call loss_fn with them \(its executor is not"):
         spmd.TrainStep(drawing, optax.sgd(0.1), plan, mesh, params=params, staged=model.staged, seed=0)
+
+
+def test_a_run_restored_onto_another_plan_draws_what_the_straight_run_draws(tmp_path, reference):
+    # The seed is the step's, not the state's: a checkpoint holds the step count, and that is all a key needs.
+    saving = spmd.TrainStep(
+        loss_fn, optax.sgd(0.1, momentum=0.9), strategies.data_parallel(), spmd.make_mesh({"data": 8}),
+        params=PARAMS, seed=0,
+    )  # fmt: skip
+    state = saving.init(init, jax.random.key(0))
+    for _ in range(2):
+        state, _ = saving(state, BATCH)
+    with spmd.Checkpoints(str(tmp_path), asynchronous=False) as saver:
+        saver.save(2, spmd.ModelLayout(saving).to_model(state), {"model": "dropout-mlp"})
+    resumed = spmd.TrainStep(
+        loss_fn, optax.sgd(0.1, momentum=0.9), strategies.fsdp(min_bytes=0), spmd.make_mesh({"fsdp": 8}),
+        params=PARAMS, seed=0,
+    )  # fmt: skip
+    layout = spmd.ModelLayout(resumed)
+    with spmd.Checkpoints(str(tmp_path), asynchronous=False) as reader:
+        at, restored, _ = reader.restore(layout.abstract())
+    state, loss = resumed(layout.from_model(restored), BATCH)
+    assert at == 2 and int(state.step) == 3
+    np.testing.assert_allclose(float(loss), reference[0][2], rtol=1e-5)
+    assert_trees_close(jax.device_get(state.params), reference[1])
+
+
+@pytest.mark.slow  # two gpt-tiny subnetwork steps compiled: about 30 s
+def test_each_subnetwork_worker_draws_with_the_key_folded_with_its_index():
+    # A loss whose drawn part has no gradient: the step's loss is the plain one plus the workers' mean draw.
+    model = models.get("gpt-tiny", layers=2)
+    base = models.loss_fn(model)
+    noisy = lambda p, b, *, key, step: base(p, b) + 0.01 * jax.random.uniform(key)  # noqa: E731
+    plan = strategies.subnetwork_dp(coverage=0.5, masking="backward")
+    params, mesh = jax.eval_shape(model.init, jax.random.key(0)), spmd.make_mesh({"data": 8})
+    batch = data.batch(0, 0, 16, model.config.seq_len, model.config.vocab)
+    losses = []
+    for loss, seed in ((base, None), (noisy, 5)):
+        step = spmd.TrainStep(loss, optax.sgd(0.1), plan, mesh, params=params, seed=seed)
+        losses.append(float(step(step.init(model.init, jax.random.key(0)), batch)[1]))
+    key = jax.random.fold_in(jax.random.key(5), 0)
+    draws = [float(jax.random.uniform(jax.random.fold_in(key, w))) for w in range(8)]
+    np.testing.assert_allclose(losses[1] - losses[0], 0.01 * np.mean(draws), rtol=1e-3)
+    assert abs(np.mean(draws) - float(jax.random.uniform(key))) > 1e-3  # one key for all would read otherwise
