@@ -1,15 +1,17 @@
 """A loss's randomness: the run's base key folded with the step, and with the microbatch where a step is split.
 
 A loss asks for randomness by naming it: ``loss_fn(params, batch, *, key, step)`` (either keyword alone, or
-both). The names are read from its signature, as flax reads ``rngs=`` and optax reads ``extra_args``, so a loss
-that takes neither is called exactly as before. ``key`` is ``fold_in(base key, step)``: each step draws other
-numbers, and since JAX's threefry is partitionable (``jax_threefry_partitionable``, on by default) the bits
-drawn for an array do not depend on how it is sharded, so a sharded step draws what one device draws. Where an
-executor calls the loss on parts of the batch (microbatches, workers), part ``i`` gets ``fold_in(key, i)``.
+both). The names are read from its signature, so a loss that takes neither is called exactly as before, and
+nothing else needs to say what the loss uses (a flag beside the loss could disagree with it). ``key`` is
+``fold_in(base key, step)``: each step draws other numbers. The key is replicated and the bits drawn for an array
+are a function of the key and the array's shape, never of its layout, so a sharded step draws what one device
+draws; JAX's partitionable threefry (``jax_threefry_partitionable``, on by default) lets each device compute
+only its own shard's bits. Where an executor calls the loss on parts of the batch (microbatches, workers), part
+``i`` gets ``fold_in(key, i)``.
 
 >>> import jax
 >>> draw = StepKey(jax.random.fold_in(jax.random.key(0), 3), jax.numpy.int32(3))
->>> call(lambda p, b, *, key, step: int(step), None, None, draw)
+>>> call_loss(lambda p, b, *, key, step: int(step), None, None, draw)
 3
 """
 
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["KEYWORDS", "BaseKey", "StepKey", "call", "named"]
+__all__ = ["KEYWORDS", "BaseKey", "StepKey", "call_loss", "named"]
 
 KEYWORDS = ("key", "step")
 
@@ -63,10 +65,10 @@ def named(loss: Callable) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(p.name for p in takes), frozenset(p.name for p in takes if p.default is p.empty)
 
 
-def call(loss: Callable, params: Any, batch: Any, draw: StepKey | None) -> jax.Array:
+def call_loss(loss: Callable, params: Any, batch: Any, draw: StepKey | None) -> jax.Array:
     """``loss(params, batch)``, given the keywords of ``draw`` it names (see :func:`named`).
 
-    >>> call(lambda p, b: p + b, 1, 2, None)
+    >>> call_loss(lambda p, b: p + b, 1, 2, None)
     3
     """
     takes, requires = named(loss)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from spmd._executor import Executor, Task
-from spmd._keys import StepKey, call
+from spmd._keys import StepKey, call_loss
 
 if TYPE_CHECKING:
     from spmd._specs import Shares
@@ -93,7 +93,7 @@ class UnevenData:
                 start = i * spec.microbatch
                 micro = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, spec.microbatch), rows)
                 part = None if draw is None else draw.fold(first + i)
-                value, grad = jax.value_and_grad(lambda p: call(self.loss_fn, p, micro, part))(params)
+                value, grad = jax.value_and_grad(lambda p: call_loss(self.loss_fn, p, micro, part))(params)
                 grads = jax.tree.map(lambda acc, g: acc + weight * g, grads, grad)
                 return grads, loss + weight * value, count + 1
 

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 from spmd import axes as names
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
-from spmd._keys import StepKey, call
+from spmd._keys import StepKey, call_loss
 from spmd._rules import PlanError
 from spmd._tree import is_box, key_name
 from spmd.costmodel import Contribution, Workload, subnet_traffic
@@ -296,7 +296,7 @@ class Subnetworks:
 
         def body(params: Any, batch: Any, part: StepKey | None) -> tuple:
             local = self._map(lambda path, x: x[0] if self._dim(path) else x, params)
-            loss, grads = jax.value_and_grad(lambda p: call(sub_loss, p, batch, part))(local)
+            loss, grads = jax.value_and_grad(lambda p: call_loss(sub_loss, p, batch, part))(local)
             grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(grads))
             return jax.lax.psum(loss, axis) / self.owners.workers, grads
 
@@ -310,7 +310,7 @@ class Subnetworks:
         part_of = jnp.asarray(self.owners.part_of)
 
         def body(params: Any, batch: Any, draw: StepKey | None) -> tuple:
-            loss, grads = jax.value_and_grad(lambda p: call(self.loss_fn, p, batch, draw))(params)
+            loss, grads = jax.value_and_grad(lambda p: call_loss(self.loss_fn, p, batch, draw))(params)
             part = part_of[jax.lax.axis_index(axis)][None]
             own = self._map(lambda path, g: self._take(path, g, part)[0] if self._dim(path) else g, grads)
             grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(own))
