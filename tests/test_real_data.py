@@ -105,7 +105,7 @@ if jax.process_index() == 0:
 """
 
 
-@pytest.mark.slow  # two processes starting JAX and gloo: about 40 s
+@pytest.mark.slow  # two processes starting JAX and gloo: 15 s on idle cores, 40 s on busy ones
 def test_under_spmd_launch_each_process_reads_its_half_and_the_run_equals_one_device(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_blocks()[0] + EPILOGUE)
