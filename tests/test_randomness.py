@@ -66,12 +66,16 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "plan, axes",
-    [(strategies.data_parallel(), {"data": 8}), (strategies.fsdp(min_bytes=0), {"fsdp": 8})],
-    ids=["dp", "fsdp"],
+    "plan, axes, explicit",
+    [
+        (strategies.data_parallel(), {"data": 8}, False),
+        (strategies.fsdp(min_bytes=0), {"fsdp": 8}, False),
+        (strategies.fsdp(min_bytes=0) + strategies.data_parallel(), {"data": 2, "fsdp": 4}, True),
+    ],
+    ids=["dp", "fsdp", "dp+fsdp-explicit"],
 )
-def test_dropout_trains_equal_to_one_device(reference, plan, axes):
-    losses, params = train(plan, spmd.make_mesh(axes))
+def test_dropout_trains_equal_to_one_device(reference, plan, axes, explicit):
+    losses, params = train(plan, spmd.make_mesh(axes, explicit=explicit))
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_trees_close(params, reference[1])
 
