@@ -3,6 +3,9 @@ is ``fold_in(seed, s)``, the same on one device and sharded (JAX's threefry is p
 step, and a part of the batch that an executor runs on its own (an uneven share's microbatch) folds in its index.
 """
 
+import math
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -195,3 +198,14 @@ def test_each_subnetwork_worker_draws_with_the_key_folded_with_its_index():
     draws = [float(jax.random.uniform(jax.random.fold_in(key, w))) for w in range(8)]
     np.testing.assert_allclose(losses[1] - losses[0], 0.01 * np.mean(draws), rtol=1e-3)
     assert abs(np.mean(draws) - float(jax.random.uniform(key))) > 1e-3  # one key for all would read otherwise
+
+
+def test_each_device_draws_only_the_bits_of_its_own_rows():
+    # Partitionable threefry in the compiled program: the dropout mask is [32, 64] bits, each of the 8 devices
+    # holds 4 rows, and the largest array of random bits a device makes is its [4, 64] share (with the flag off
+    # each device would make all 32 · 64 and keep a slice).
+    mesh = spmd.make_mesh({"data": 8})
+    step = spmd.TrainStep(loss_fn, optax.sgd(0.1), strategies.data_parallel(), mesh, params=PARAMS, seed=0)
+    text = step.compile(BATCH).as_text()
+    bits = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(r"u32\[([\d,]*)\]", text)]
+    assert max(bits) == 4 * 64, sorted(set(bits))
