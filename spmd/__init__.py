@@ -17,7 +17,9 @@ from spmd import axes, collectives, costmodel, devices, execution, pipeline, rul
 from spmd._checkpoint import CheckpointError, Checkpoints, ModelLayout
 from spmd._context import activate, constrain
 from spmd._devices import emulate_devices
+from spmd._feed import global_batch
 from spmd._format import format_bytes
+from spmd._launch import initialize
 from spmd._layout import Layout, LeafLayout, StateLayout, resolve_state
 from spmd._mesh import make_mesh, parse_mesh
 from spmd._plan import Plan
@@ -49,6 +51,8 @@ __all__ = [
     "emulate_devices",
     "execution",
     "format_bytes",
+    "global_batch",
+    "initialize",
     "make_mesh",
     "parse_mesh",
     "pipeline",

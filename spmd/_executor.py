@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
+from spmd._keys import StepKey, call_loss
 from spmd.costmodel import Contribution, Workload
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ class Summary(NamedTuple):
 
 
 class Task(NamedTuple):
-    """What an executor is built for: the model's ``loss(params, batch)``, the plan and mesh, the model's
+    """What an executor is built for: the model's ``loss(params, batch)`` (which may also take ``key=`` and
+    ``step=``: call it with :func:`spmd.execution.call_loss`), the plan and mesh, the model's
     abstract (possibly annotated) parameters in its own layout, and the model's optional cut forms — ``staged``
     (embeddings, one stacked layer, head: for pipelines) and ``narrow(kept) -> loss`` (the loss of the model
     narrowed to ``kept`` groups per logical dimension, ``{}`` keeping the whole model: for subnetworks with
@@ -84,6 +86,10 @@ class Executor(NamedTuple):
 
     - ``value_and_grad(stored, batch) -> (loss, grads)``: the mean loss of the batch and the gradients of the
       arrays the optimizer updates (``to_trained(stored)``), in their stored layout;
+    - ``keyed``: whether ``value_and_grad`` also takes the step's :class:`spmd.execution.StepKey` (a third argument,
+      given when the loss takes ``key=`` or ``step=``) and passes it on with :func:`spmd.execution.call_loss`, folding
+      in the index of each part of the batch it calls the loss on. A step whose loss draws refuses an executor
+      that is not keyed, rather than drop the key;
     - ``to_stored(params)`` / ``to_model(stored)``: the model's parameters as stored, and back. ``to_stored``
       and ``to_trained`` also take boxed or abstract trees: the plan lays out what they return, and the logical
       names they add (as flax boxes: ``stage``, ``worker``) go to the axes the execution spec names;
@@ -112,6 +118,7 @@ class Executor(NamedTuple):
     to_trained: Callable[[Any], Any] = identity
     from_trained: Callable[[Any], Any] = identity
     splits_batch: bool = True
+    keyed: bool = False
     costs: Callable[[StateLayout, Any, Workload], Contribution] = _no_costs
     summary: Callable[[StateLayout, Any], Summary | None] = _no_summary
     branch_weights: Mapping[str, tuple[float, ...]] = types.MappingProxyType({})
@@ -136,4 +143,8 @@ def plain(task: Task) -> Executor:
     >>> ex.value_and_grad(jnp.ones(2), jnp.arange(2.0))[1].tolist()
     [0.0, 1.0]
     """
-    return Executor(jax.value_and_grad(task.loss))
+
+    def value_and_grad(stored: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
+        return jax.value_and_grad(lambda p: call_loss(task.loss, p, batch, draw))(stored)
+
+    return Executor(value_and_grad, keyed=True)

@@ -83,7 +83,12 @@ def initialize(*, cluster: bool = False) -> bool:
     """Joins the job: from the launcher's environment if present, else from the cluster's own
     (``jax.distributed.initialize()`` detects it) when ``cluster=True`` or when :func:`cluster_processes` finds
     several processes. Returns whether this is a multi-process run. Call it before anything starts JAX's
-    backend. A process that has joined exits on SIGTERM (status 143)."""
+    backend: a program of your own started by ``spmd launch`` calls it first. A process that has joined exits
+    on SIGTERM (status 143).
+
+    >>> initialize()  # one process, neither a launcher nor a cluster around it: nothing to join
+    False
+    """
     import jax
 
     if ENV["coordinator"] in os.environ:

@@ -4,7 +4,9 @@ JAX has no uneven sharding, so the batch goes to the devices as a padded buffer,
 ...]``, and inside a ``shard_map`` over the data axis every device loops ``lax.fori_loop(0, loops[i], ...)`` with
 its own bound read by ``axis_index``: a slow device really does less work. Each microbatch's gradient is
 weighted by its share of the global batch and the sum is reduced once, so the result is the gradient of the
-whole batch's mean loss, whatever the split.
+whole batch's mean loss, whatever the split. A loss that draws random numbers gets, for the ``k``-th microbatch
+of the global batch (rows ``k·microbatch`` on, in order), the step's key folded with ``k``: the draws follow
+the data, not the devices.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from spmd._executor import Executor, Task
+from spmd._keys import StepKey, call_loss
 
 if TYPE_CHECKING:
     from spmd._specs import Shares
@@ -46,8 +49,9 @@ class UnevenData:
             )
         self.loss_fn, self.spec, self.mesh = loss_fn, spec, mesh
 
-    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
-        loss, grads, _ = self._run(params, batch)
+    def value_and_grad(self, params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
+        """The loss and gradients of the global batch's mean loss (``draw``: see the module docstring)."""
+        loss, grads, _ = self._run(params, batch, draw)
         return loss, grads
 
     def executed_loops(self, params: Any, batch: Any) -> np.ndarray:
@@ -74,18 +78,22 @@ class UnevenData:
 
         return jax.tree.map(one, batch)
 
-    def _run(self, params: Any, batch: Any) -> tuple[jax.Array, Any, jax.Array]:
+    def _run(self, params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any, jax.Array]:
         axis, spec = self.spec.axis, self.spec
         weight = spec.microbatch / spec.batch  # each microbatch's share of the global mean
+        # The index in the global batch of each position's first microbatch.
+        firsts = jnp.asarray(np.concatenate([[0], np.cumsum(spec.loops)[:-1]]), jnp.int32)
 
-        def body(params: Any, rows: Any, loops: jax.Array) -> tuple:
+        def body(params: Any, rows: Any, loops: jax.Array, draw: StepKey | None) -> tuple:
             rows = jax.tree.map(lambda x: x[0], rows)
+            first = firsts[jax.lax.axis_index(axis)]
 
             def step(i: jax.Array, carry: tuple) -> tuple:
                 grads, loss, count = carry
                 start = i * spec.microbatch
                 micro = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, spec.microbatch), rows)
-                value, grad = jax.value_and_grad(self.loss_fn)(params, micro)
+                part = None if draw is None else draw.fold(first + i)
+                value, grad = jax.value_and_grad(lambda p: call_loss(self.loss_fn, p, micro, part))(params)
                 grads = jax.tree.map(lambda acc, g: acc + weight * g, grads, grad)
                 return grads, loss + weight * value, count + 1
 
@@ -98,12 +106,12 @@ class UnevenData:
         run = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec()),
+            in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis)),
             axis_names={axis},
             check_vma=False,
         )
-        return run(params, self._padded(batch), jnp.asarray(spec.loops, jnp.int32))
+        return run(params, self._padded(batch), jnp.asarray(spec.loops, jnp.int32), draw)
 
 
 def uneven_executor(spec: Shares, task: Task) -> Executor:
@@ -117,4 +125,4 @@ def uneven_executor(spec: Shares, task: Task) -> Executor:
     """
     engine = UnevenData(task.loss, spec, task.mesh)
     # Any batch size: the shares, not an even split, place its examples.
-    return Executor(engine.value_and_grad, splits_batch=False, engine=engine)
+    return Executor(engine.value_and_grad, splits_batch=False, keyed=True, engine=engine)

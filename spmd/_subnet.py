@@ -11,7 +11,8 @@ function of the seed. Parameters outside any group (embeddings, norms, the head)
 Each step a group's gradient is the mean of its owners' gradients, ``g_p = Σ_{i owns p} g_ip / |owners(p)|``,
 and a shared parameter's the mean over all workers. The owners of a part are exactly one owner group, so that
 mean is one ``psum`` over the group's devices (``axis_index_groups``): the reduction moves ``C`` of what data
-parallelism moves.
+parallelism moves. A loss that draws random numbers gets, on worker ``w``, the step's key folded with ``w``
+(each worker's rows are its own part of the batch).
 
 - ``masking="forward"``: each worker runs only its subnetwork (the model narrowed to its blocks, or to its units
   and heads), forward and backward. Owned arrays are stored ``[worker, ...]`` with the leading dimension split
@@ -36,6 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 from spmd import axes as names
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
+from spmd._keys import StepKey, call_loss
 from spmd._rules import PlanError
 from spmd._tree import is_box, key_name
 from spmd.costmodel import Contribution, Workload, subnet_traffic
@@ -287,41 +289,35 @@ class Subnetworks:
         axis = self.spec.axis
         return self._map(lambda path, _: PartitionSpec(axis) if self._dim(path) else PartitionSpec(), tree)
 
-    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def value_and_grad(self, params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
         """Forward masking: every worker's loss and gradients on its own subnetwork, reduced by the SDP rule.
         ``params`` and the gradients are in the owned layout; the loss is the workers' mean."""
         axis, sub_loss = self.spec.axis, self.narrow(self.kept)
 
-        def body(params: Any, batch: Any) -> tuple:
+        def body(params: Any, batch: Any, part: StepKey | None) -> tuple:
             local = self._map(lambda path, x: x[0] if self._dim(path) else x, params)
-            loss, grads = jax.value_and_grad(sub_loss)(local, batch)
+            loss, grads = jax.value_and_grad(lambda p: call_loss(sub_loss, p, batch, part))(local)
             grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(grads))
             return jax.lax.psum(loss, axis) / self.owners.workers, grads
 
         specs = self._specs(params)
-        return self._run(body, (specs, PartitionSpec(axis)), (PartitionSpec(), specs))(params, batch)
+        return _per_worker(body, self.mesh, axis, specs, specs)(params, batch, draw)
 
-    def backward_value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def backward_value_and_grad(self, params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
         """Backward masking: every worker's loss and gradients on the full model; of the owned groups only each
         worker's own part, reduced by the SDP rule, in the owned layout."""
         axis = self.spec.axis
         part_of = jnp.asarray(self.owners.part_of)
 
-        def body(params: Any, batch: Any) -> tuple:
-            loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
+        def body(params: Any, batch: Any, draw: StepKey | None) -> tuple:
+            loss, grads = jax.value_and_grad(lambda p: call_loss(self.loss_fn, p, batch, draw))(params)
             part = part_of[jax.lax.axis_index(axis)][None]
             own = self._map(lambda path, g: self._take(path, g, part)[0] if self._dim(path) else g, grads)
             grads = self._map(lambda path, g: g[None] if self._dim(path) else g, self._reduce(own))
             return jax.lax.psum(loss, axis) / self.owners.workers, grads
 
         replicated = jax.tree.map(lambda _: PartitionSpec(), params)
-        run = self._run(body, (replicated, PartitionSpec(axis)), (PartitionSpec(), self._specs(params)))
-        return run(params, batch)
-
-    def _run(self, body: Callable, in_specs: tuple, out_specs: tuple) -> Callable:
-        return jax.shard_map(
-            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={self.spec.axis}, check_vma=False
-        )
+        return _per_worker(body, self.mesh, axis, replicated, self._specs(params))(params, batch, draw)
 
     # -- the report ---------------------------------------------------------------------------------------
     def figures(self, layout: Any) -> dict[str, Any]:
@@ -364,6 +360,17 @@ class Subnetworks:
         return Contribution(tuple(subnet_traffic(self.figures(layout), self.spec.axis, masking=self.spec.masking)))
 
 
+def _per_worker(body: Callable, mesh: Mesh, axis: str, param_specs: Any, grad_specs: Any) -> Callable:
+    """``body(params, batch, draw)`` on each worker along ``axis``: its rows of the batch, the step's draw folded
+    with its index."""
+
+    def worker(params: Any, batch: Any, draw: StepKey | None) -> tuple:
+        return body(params, batch, None if draw is None else draw.fold(jax.lax.axis_index(axis)))
+
+    in_specs, out_specs = (param_specs, PartitionSpec(axis), PartitionSpec()), (PartitionSpec(), grad_specs)
+    return jax.shard_map(worker, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
+
+
 def _owned(row: Any) -> bool:
     return bool(row.names) and row.names[0] == names.WORKER
 
@@ -392,7 +399,7 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
     if spec.masking == "forward":
         task.narrow({})  # narrowed to nothing: the whole model; says first if the model cannot be narrowed at all
     engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params)
-    shared = {"costs": engine.costs, "summary": engine.summary, "engine": engine}
+    shared = {"costs": engine.costs, "summary": engine.summary, "keyed": True, "engine": engine}
     if spec.masking == "forward":
         return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **shared)
     return Executor(engine.backward_value_and_grad, to_trained=engine.own, from_trained=engine.rebuild, **shared)

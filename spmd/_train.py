@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._context import activate, initialising
 from spmd._executor import Executor, Task, plain
+from spmd._keys import BaseKey, StepKey, named
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._plan import Plan
@@ -72,6 +73,13 @@ class TrainStep:
     ``skip_nonfinite``, a step whose loss or gradients hold NaN or inf leaves the parameters and optimizer state
     as they were (the step count still advances, as the data has) and returns a NaN loss.
 
+    A loss that draws random numbers (dropout) names them: ``loss_fn(params, batch, *, key, step)``, either
+    keyword alone or both, read from its signature; ``key`` is ``jax.random.fold_in(seed, step)``, so each step
+    draws other numbers and a sharded step draws what one device draws (see :mod:`spmd._keys`). Where the plan's
+    execution calls the loss on parts of a batch (uneven data: its microbatches of the global batch in order;
+    subnetworks: each worker's rows), part ``i`` gets ``fold_in(key, i)``; a reference computed on one device
+    does the same.
+
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
     >>> n = mesh.shape["data"]
@@ -96,8 +104,13 @@ class TrainStep:
         staged: StagedModel | None = None,
         narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None = None,
         skip_nonfinite: bool = False,
+        seed: int | jax.Array | None = None,
     ) -> None:
         plan.check_mesh(mesh)
+        # The seed is configuration, as the model and the plan are, not state: the key of a step is a pure
+        # function of (seed, step), the step count is in the training state, so a run restored from any
+        # checkpoint (old ones included) with the same seed draws what the uninterrupted run would have drawn.
+        self.base_key, self.draws = _randomness(loss_fn, seed)
         self.loss_fn, self.optimizer, self.plan, self.mesh, self.donate = loss_fn, optimizer, plan, mesh, donate
         # The step's arrays live on ``mesh`` (Explicit axes stay Explicit); its inside is traced over Auto axes.
         self.traced_mesh = auto_twin(mesh)
@@ -105,6 +118,12 @@ class TrainStep:
         self.model_params = _abstract(params)  # the model's own layout, with its annotations
         task = Task(loss_fn, plan, self.traced_mesh, self.model_params, staged, narrow)
         self.executor: Executor = plain(task) if plan.execution is None else plan.execution.executor(task)
+        if self.draws and not self.executor.keyed:
+            raise TypeError(
+                f"TrainStep: the loss takes key= or step=, but the plan's {plan.execution.describe()} does not call "
+                f"loss_fn with them (its executor is not keyed; a pipeline runs staged=, whose functions take no "
+                f"key): train the model with dropout under a plan without this mode, or turn its dropout off here"
+            )
         stored = self.executor.to_stored(self.model_params)
         trained = self.executor.to_trained(stored)
         self.layout: StateLayout = resolve_state(
@@ -184,8 +203,13 @@ class TrainStep:
         ex, layout = self.executor, self.layout
         # Block-aligned layouts store padded arrays: the executor sees them sliced, so their gradients come back
         # padded with zeros and the padding never changes.
+        stored = unpad(state.params, layout.params)
         with activate(self.plan, self.traced_mesh):
-            loss, grads = ex.value_and_grad(unpad(state.params, layout.params), batch)
+            if self.draws:
+                key = None if self.base_key is None else self.base_key.at(state.step)
+                loss, grads = ex.value_and_grad(stored, batch, StepKey(key, state.step))
+            else:
+                loss, grads = ex.value_and_grad(stored, batch)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
         grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
@@ -203,8 +227,20 @@ class TrainStep:
         return TrainState(state.step + 1, params, opt_state), loss
 
     def batch_shardings(self, batch: Any) -> Any:
-        """Where each batch array goes: split over the plan's batch axes, or whole on every device when the
-        executor takes its own share (uneven data parallelism, which takes any batch size)."""
+        """A ``NamedSharding`` per array of a global ``batch`` (arrays or ShapeDtypeStructs, each with a leading
+        batch dimension): the leading dimension split over the plan's batch axes, the rest whole; or the whole
+        array on every device when the executor takes its own share (uneven data parallelism, which takes any
+        batch size). A batch size the batch axes do not divide is an error naming the multiple to use. Across
+        processes, :func:`spmd.global_batch` builds the batch onto these shardings from each process's rows.
+
+        >>> import spmd, optax, jax, numpy as np
+        >>> mesh = spmd.make_mesh({"data": -1})
+        >>> params = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+        >>> step = spmd.TrainStep(lambda p, b: (b["x"] @ p["w"]).mean(), optax.sgd(0.1),
+        ...                       spmd.Plan(batch_axes=("data",)), mesh, params=params)
+        >>> step.batch_shardings({"x": jax.ShapeDtypeStruct((mesh.size, 3), np.float32)})["x"].spec
+        P('data', None)
+        """
         if not self.executor.splits_batch:
             return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), batch)
         return self.plan.batch_shardings(batch, self.mesh)
@@ -262,6 +298,22 @@ class TrainStep:
         return compiled(state, place(batch, shardings))
 
 
+def _randomness(loss_fn: Callable, seed: int | jax.Array | None) -> tuple[BaseKey | None, bool]:
+    """The run's base key, and whether the step gives the loss a key or the step (checked against the loss)."""
+    takes, requires = named(loss_fn)
+    if seed is not None and "key" not in takes:
+        raise TypeError(
+            "TrainStep: seed= is given but the loss takes no key, so nothing would use it; give the loss a "
+            "keyword-only key (loss_fn(params, batch, *, key, step)) or leave seed out"
+        )
+    if "key" in requires and seed is None:
+        raise TypeError(
+            "TrainStep: the loss requires key= but the step has no seed; build it with seed= (an int or a "
+            "jax.random.key): each step's key is jax.random.fold_in(seed, step)"
+        )
+    return (None if seed is None else BaseKey.of(seed)), (seed is not None or "step" in takes)
+
+
 def _recomputes(jaxpr: Any) -> bool:
     """Whether a (closed) jaxpr, or one nested in it (a scan's body, a jitted call), holds a remat: the primitive
     ``jax.checkpoint`` leaves in a differentiated program."""
@@ -297,6 +349,8 @@ def place(tree: Any, shardings: Any) -> Any:
     """
 
     def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, sharding)  # already global (spmd.global_batch): no host copy to slice
         if sharding.is_fully_addressable:
             return jax.device_put(x, sharding)
         x = np.asarray(x)

@@ -4,7 +4,8 @@ A plan carries at most one execution spec (``Plan.execution``: plain data); the 
 :class:`Executor` (a value of pure functions) for a :class:`Task`. Plain SPMD execution (:func:`plain`), pipelines
 (:class:`PipelineSpec`, :class:`spmd.pipeline.Pipeline`), uneven data shares (:class:`Shares`,
 :class:`UnevenData`) and subnetworks (:class:`SubnetSpec`, :class:`Subnetworks`) are its implementations; a new
-mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor`.
+mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor`. A keyed executor passes the
+step's :class:`StepKey` to the loss with :func:`call_loss`.
 
 >>> import spmd, strategies
 >>> plan = strategies.subnetwork_dp(coverage=0.5)
@@ -13,6 +14,7 @@ mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor
 """
 
 from spmd._executor import Executor, Summary, Task, identity, plain
+from spmd._keys import StepKey, call_loss
 from spmd._pipeline import pipeline_executor
 from spmd._shares import UnevenData, uneven_executor
 from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Shares, SubnetSpec
@@ -26,11 +28,13 @@ __all__ = [
     "Ownership",
     "PipelineSpec",
     "Shares",
+    "StepKey",
     "SubnetSpec",
     "Subnetworks",
     "Summary",
     "Task",
     "UnevenData",
+    "call_loss",
     "identity",
     "ownership",
     "pipeline_executor",
