@@ -27,6 +27,7 @@ from spmd._layout import LeafLayout, StateLayout, resolve_state
 from spmd._plan import Plan
 from spmd._report_tables import tables
 from spmd._resolve import idle_axes, idle_axes_text, unused_axes
+from spmd._rules import PlanError
 from spmd._train import TrainStep, recomputes
 from spmd.costmodel import StepTime, Traffic
 
@@ -209,7 +210,8 @@ def report(
     (32, ['all-reduce'], True)
     """
     if isinstance(program, TrainStep):
-        given = [k for k, v in (("plan", plan), ("mesh", mesh), ("params", params), ("optimizer", optimizer)) if v]
+        named = {"plan": plan, "mesh": mesh, "params": params, "optimizer": optimizer}
+        given = [k for k, v in named.items() if v is not None]
         if given or batch is None:
             raise TypeError(
                 "spmd.report(step, batch): a TrainStep carries its plan, mesh, parameters and optimizer and is "
@@ -236,23 +238,28 @@ def _report_program(
 ) -> Report:
     """The report of a step of the user's own (see :func:`report`): the same join, with what was not given
     unknown."""
-    compiled, jaxpr = _compiled(program)
     if not isinstance(plan, Plan) or not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             "spmd.report(program, batch, plan=, mesh=): a step of your own needs the spmd.Plan and the jax Mesh it "
             f"was laid out by; got plan={type(plan).__name__}, mesh={type(mesh).__name__}"
         )
+    if plan.execution is not None:
+        raise PlanError(
+            f"spmd.report: this plan runs {plan.execution.describe()}, which a step of your own does not; build its "
+            "spmd.TrainStep and report that, or report your step with a plan of SPMD annotations only"
+        )
     plan.check_mesh(dict(mesh.shape))
+    tx = getattr(optimizer, "tx", optimizer)  # nnx.Optimizer keeps its optax transformation as .tx
+    if tx is not None and not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"spmd.report: optimizer= takes an optax transformation (or an nnx.Optimizer); got {type(tx).__name__}"
+        )
+    compiled, jaxpr = _compiled(program)
     devices = _hlo_devices(compiled.as_text())
     if devices not in (1, mesh.size):
         raise ValueError(
             f"spmd.report: the program runs on {devices} devices and the mesh {dict(mesh.shape)} has {mesh.size}; "
             "pass the mesh the program was jitted over"
-        )
-    tx = getattr(optimizer, "tx", optimizer)  # nnx.Optimizer keeps its optax transformation as .tx
-    if tx is not None and not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(
-            f"spmd.report: optimizer= takes an optax transformation (or an nnx.Optimizer); got {type(tx).__name__}"
         )
     said, carried = [], plan
     if plan.remat and jaxpr is not None and not recomputes(jaxpr):
@@ -343,8 +350,6 @@ def _join(
         estimate = costmodel.estimate_layout(side.layout, plan, mesh.shape, workload, hw, side.costs)
         out = _with_estimate(out, estimate, side, batch, known)
         warned += _warnings(asked, side.layout, mesh, inventory, estimate, compiled_memory, out.analytic_memory, known)
-    elif not known:
-        warned.append(_WORKLOAD_UNKNOWN)
     return dataclasses.replace(out, warnings=tuple(warned))
 
 
