@@ -111,7 +111,9 @@ def _collectives(report: Report) -> Table:
 
 def _against_data_parallel(report: Report) -> str:
     dp, v = report.data_parallel, report.vs_data_parallel()
-    reductions = ", ".join(f"{c.count} {c.kind} over {'×'.join(c.axes)} (group {c.group_size})" for c in dp.collectives)
+    reductions = ", ".join(
+        f"{c.count} {c.kind} over {_axes(c, dp.mesh_axes)} (group {c.group_size})" for c in dp.collectives
+    )
     compiled = (
         f", compiled arguments {format_bytes(dp.compiled_memory['argument_bytes'])} "
         f"({v['compiled_argument_bytes']:.3f}×)"
