@@ -1,5 +1,8 @@
 """The plan report agrees with the compiled program: memory to the byte, collectives per loop iteration."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -172,11 +175,20 @@ class Lookup:
         self.model, self.batch = Model(), {"input_ids": jnp.zeros((8, 16), jnp.int32)}
         self.params = jax.eval_shape(self.model.init, jax.random.key(0), self.batch["input_ids"])
         rules = [("up/kernel", (None, "tensor")), ("head/kernel", ("tensor", None))]
-        self.plan = strategies.fsdp() + strategies.tensor_parallel(rules=rules)
+        # A rule naming an axis of one device, as MaxText's rules do: it splits nothing.
+        self.plan = (
+            strategies.fsdp()
+            + strategies.tensor_parallel(rules=rules)
+            + spmd.Plan.from_rules([("head/bias", ("expert",))])
+        )
         # Two axes of one device, as a MaxText mesh has nine: the tables leave them out.
         self.mesh = spmd.make_mesh({"data": 1, "fsdp": 4, "tensor": 2, "expert": 1})
         self.tx = optax.adam(1e-3)
         self.step = spmd.TrainStep(self.loss, self.tx, self.plan, self.mesh, params=self.params)
+
+    @functools.cached_property
+    def lowered(self):
+        return self.step.lower(self.batch)  # the training step's program, as jax hands over a step of your own
 
     def loss(self, params, batch):
         logits = self.model.apply(params, batch["input_ids"])
@@ -200,7 +212,10 @@ def test_a_group_over_part_of_an_axis_is_named_so_and_axes_of_one_device_are_lef
     assert "note: collective-permute over fsdp,tensor: its group is the most devices" in text
     assert "Plan on mesh fsdp=4 × tensor=2:" in text and "data=1" not in text and "expert" not in text.split("note")[0]
     assert "note: 2 mesh axes of size 1 not shown (data, expert)" in text
-    assert r.to_dict()["mesh"]["axes"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}  # the JSON keeps all
+    assert re.search(r"params/head/bias +│ \(64,\) +│ float32 │ \(-\) ", text)
+    d = r.to_dict()  # the JSON keeps every axis
+    assert d["mesh"]["axes"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    assert next(row for row in d["params"] if row["path"] == "params/head/bias")["spec"] == ["expert"]
 
 
 def test_a_step_of_your_own_is_reported_as_the_training_step_is(lookup):
@@ -208,7 +223,7 @@ def test_a_step_of_your_own_is_reported_as_the_training_step_is(lookup):
     # but for the training step's own int32 step counter in the analytic arguments.
     step = spmd.report(lookup.step, lookup.batch)
     own = spmd.report(
-        lookup.step.lower(lookup.batch), lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params,
+        lookup.lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params,
         optimizer=lookup.tx,
     )  # fmt: skip
     assert own.params == step.params and own.collectives == step.collectives
@@ -222,7 +237,7 @@ def test_a_step_of_your_own_is_reported_as_the_training_step_is(lookup):
 
 
 def test_what_a_step_of_your_own_does_not_say_is_unknown(lookup):
-    lowered = lookup.step.lower(lookup.batch)
+    lowered = lookup.lowered
     bare = spmd.report(lowered, plan=lookup.plan, mesh=lookup.mesh)  # neither parameters nor batch
     assert not bare.layout_known and bare.params == () and bare.per_device_bytes == {}
     assert bare.comm_bytes_per_step["analytic"] is None and bare.comm_bytes_per_step["compiled"] > 0
@@ -236,14 +251,17 @@ def test_what_a_step_of_your_own_does_not_say_is_unknown(lookup):
 
 
 def test_an_illegal_call_is_a_clear_error(lookup):
-    lowered = lookup.step.lower(lookup.batch)
+    lowered = lookup.lowered
     with pytest.raises(TypeError, match="a TrainStep carries its plan, mesh, parameters and optimizer.*drop plan="):
         spmd.report(lookup.step, lookup.batch, plan=lookup.plan)
     with pytest.raises(TypeError, match=r"train_step.trace\(params, opt_state, batch\).*got a function, which jax"):
         spmd.report(jax.jit(lookup.loss), lookup.batch, plan=lookup.plan, mesh=lookup.mesh)
     with pytest.raises(TypeError, match="needs the spmd.Plan and the jax Mesh it was laid out by; got plan=NoneType"):
         spmd.report(lowered, lookup.batch)
-    with pytest.raises(ValueError, match="the program runs on 8 devices and the mesh .* has 4"):
+    with pytest.raises(spmd.PlanError, match="rules uses mesh axis 'expert', but the mesh has only fsdp=2,tensor=2"):
         spmd.report(lowered, plan=lookup.plan, mesh=spmd.make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4]))
+    four = spmd.make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="the program runs on 8 devices and the mesh .* has 4"):
+        spmd.report(lowered, plan=lookup.plan, mesh=four)
     with pytest.raises(TypeError, match="optimizer= takes an optax transformation"):
         spmd.report(lowered, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params, optimizer="adam")
