@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from rich.console import Console, Group
 
 from spmd import costmodel
@@ -29,6 +30,7 @@ from spmd._report_tables import tables
 from spmd._resolve import idle_axes, idle_axes_text, unused_axes
 from spmd._rules import PlanError
 from spmd._train import TrainStep, recomputes
+from spmd._tree import unbox
 from spmd.costmodel import StepTime, Traffic
 
 __all__ = ["Report", "memory_of", "report"]
@@ -190,7 +192,8 @@ def report(
     and the ``optimizer`` (an optax transformation, e.g. ``nnx.Optimizer``'s ``tx``). What is not given is
     unknown, not guessed: without ``params`` the report has the compiled side only; without ``optimizer`` no
     optimizer state; a batch with no token array (images) and no ``workload`` leaves the activations, FLOPs and
-    step time unknown. Each says so in a warning.
+    step time unknown. Each says so in a warning, as does a parameter given as an array placed otherwise than the
+    plan lays it out.
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -275,7 +278,28 @@ def _report_program(
         side = _Side(layout, costmodel.Contribution(), optimizer_known=tx is not None, counter_bytes=0)
         if tx is None:
             said.append(_OPTIMIZER_UNKNOWN)
+        said += _placed_otherwise(params, layout.params.leaves, mesh)
     return _join(plan, carried, mesh, compiled, batch, side, workload, known, hardware, said=tuple(said))
+
+
+def _placed_otherwise(params: Any, rows: tuple[LeafLayout, ...], mesh: jax.sharding.Mesh) -> list[str]:
+    """Where parameters given as placed arrays are not laid out as the plan asks: the report shows the plan's
+    layout, and the program ran on theirs."""
+    arrays = jax.tree.leaves(unbox(params))
+    if len(arrays) != len(rows):
+        return []
+    out = []
+    for array, row in zip(arrays, rows, strict=True):
+        sharding = getattr(array, "sharding", None)
+        if not isinstance(array, jax.Array) or sharding is None or row.padded_shape is not None:
+            continue
+        if not sharding.is_equivalent_to(NamedSharding(mesh, row.spec), array.ndim):
+            spec = getattr(sharding, "spec", sharding)
+            out.append(
+                f"{row.path} is laid out as {spec} and the plan asks {row.spec}: the compiled figures are of the "
+                "arrays' layout; place them with plan.shardings (or constrain them in the step)"
+            )
+    return out
 
 
 def _compiled(program: Any) -> tuple[jax.stages.Compiled, Any]:

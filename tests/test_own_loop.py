@@ -48,6 +48,7 @@ def _check_the_report(r, printed):
     (up,) = [row for row in r.params if row.shape == (64, 256)]
     assert tuple(up.spec) == ("fsdp", "tensor") and up.bytes_per_device == 64 * 256 * 4 // 4
     assert "Plan on mesh data=2 × fsdp=2 × tensor=2" in printed and "(fsdp, tensor)" in printed
+    assert not any("is laid out as" in w for w in r.warnings)  # nnx's placed parameters are as the plan asks
     # The compiled program: fsdp gathers the weights and scatters their gradients, data all-reduces.
     kinds = {(c.kind, c.axes) for c in r.collectives}
     assert {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-reduce", ("data",))} <= kinds

@@ -5,8 +5,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import spmd
 import strategies
@@ -248,6 +251,18 @@ def test_what_a_step_of_your_own_does_not_say_is_unknown(lookup):
     assert set(no_tx.per_device_bytes) == {"params", "grads"} and "argument_bytes" not in no_tx.analytic_memory
     assert any(w.startswith("optimizer unknown") for w in no_tx.warnings)
     assert no_tx.params == spmd.report(lookup.step, lookup.batch).params
+    # Parameters given as arrays placed otherwise than the plan asks: said, per array.
+    replicated = NamedSharding(lookup.mesh, P())
+    placed = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated), lookup.params)
+    r = spmd.report(lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=placed, optimizer=lookup.tx)
+    assert "params/up/kernel is laid out as P() and the plan asks P('fsdp', 'tensor')" in {
+        w.split(":")[0] for w in r.warnings
+    }
+    assert not any("head/bias is laid out" in w for w in r.warnings)  # P("expert") over one device: the same
+    shardings = lookup.plan.shardings(lookup.params, lookup.mesh)
+    placed = jax.tree.map(lambda a, s: jax.device_put(np.zeros(a.shape, a.dtype), s), lookup.params, shardings)
+    r = spmd.report(lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=placed, optimizer=lookup.tx)
+    assert not any("is laid out as" in w for w in r.warnings)
 
 
 def test_an_illegal_call_is_a_clear_error(lookup):
