@@ -16,6 +16,10 @@ Facts about the text on this stack (jax/jaxlib 0.10.2, XLA CPU) that the parser 
 * Trip counts sit in the while op's ``backend_config={..."known_trip_count":{"n":"5"}}``.
 * Loop-invariant collectives get hoisted out of while bodies by XLA, so only loop-variant ones are multiplied.
 
+:func:`matmul_flops` reads the program's matmul work the same way: each ``dot`` (also inside the fusions the CPU
+backend wraps matmuls in) is 2 FLOPs per multiply-add, weighted as collectives are; convolutions and elementwise
+work are not counted, so the figure compares with the cost model's matmul FLOPs.
+
 All-reduces that are only sliced count as reduce-scatters. XLA's CPU pipeline has no reduce-scatter pass, so where
 the SPMD partitioner wants a reduced buffer sharded (ZeRO-2 gradients constrained to ``P("data", None)``, FSDP's
 gradient reduction) the CPU program runs ``all-reduce`` and then has each device ``dynamic-slice`` its 1/N out of
@@ -47,7 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-__all__ = ["Collective", "collectives"]
+__all__ = ["Collective", "collectives", "matmul_flops"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -102,6 +106,10 @@ class Collective:
     #: The op the compiled program really runs; differs from ``kind`` only for an all-reduce whose result is only
     #: sliced, which counts as the ``reduce-scatter`` accelerator backends turn it into (see the module doc).
     raw_kind: str = ""
+    #: Empty when each group spans its mesh axes whole; else, per axis in ``axes``, how many of its coordinates
+    #: one group spans. XLA's partitioner makes such part-axis groups when it reshards in steps (a gather from a
+    #: table split over an axis the indices are split over too gathers over 2 of a 4-device axis).
+    spans: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.raw_kind:
@@ -117,6 +125,7 @@ class Collective:
             "traffic_bytes": self.traffic_bytes,
             "axes": list(self.axes),
             "group_size": self.group_size,
+            "spans": list(self.spans),
         }
 
 
@@ -152,8 +161,9 @@ def collectives(
     ...   %p = f32[8]{0} parameter(0)
     ...   ROOT %r = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
     ... }'''
-    >>> collectives(text)
-    [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32, raw_kind='all-reduce')]
+    >>> collectives(text)  # doctest: +NORMALIZE_WHITESPACE
+    [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32,
+                raw_kind='all-reduce', spans=())]
 
     On a real program (a single device runs no collectives at all, so the check holds for any count):
 
@@ -172,7 +182,7 @@ def collectives(
     multiplier = _multipliers(computations, entry, branch_weights or {})
 
     flow = _Dataflow(computations)
-    totals: dict[tuple[str, str, tuple[str, ...], int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    totals: dict[tuple[str, str, tuple[str, ...], int, tuple[int, ...]], list[float]] = defaultdict(lambda: [0, 0, 0.0])
     for comp_name, times in multiplier.items():
         instrs = computations[comp_name]
         shapes = {i.name: i.shape for i in instrs}
@@ -180,23 +190,23 @@ def collectives(
             op = _describe(instr, shapes, num_devices, mesh)
             if op is None:
                 continue
-            kind, axes, n, size = op
+            kind, (axes, spans), n, size = op
             parts = [(kind, size)]
             if kind == "all-reduce":
                 scattered = _sliced_bytes(flow, comp_name, instr, n)
                 split = [("reduce-scatter", scattered), ("all-reduce", size - scattered)]
                 parts = [(k, b) for k, b in split if b > 0] or parts
             for counted, nbytes in parts:
-                total = totals[(counted, kind, axes, n)]
+                total = totals[(counted, kind, axes, n, spans)]
                 total[0] += times
                 total[1] += times * nbytes
                 total[2] += times * nbytes * _traffic_factor(counted, n)
 
     out = [
-        Collective(kind, axes, n, round(count), round(nbytes), round(traffic), raw_kind)
-        for (kind, raw_kind, axes, n), (count, nbytes, traffic) in totals.items()
+        Collective(kind, axes, n, round(count), round(nbytes), round(traffic), raw_kind, spans)
+        for (kind, raw_kind, axes, n, spans), (count, nbytes, traffic) in totals.items()
     ]
-    out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.raw_kind, c.axes))
+    out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.raw_kind, c.axes, c.spans))
     return out
 
 
@@ -207,6 +217,44 @@ def _traffic_factor(kind: str, n: int) -> float:
     if kind == "collective-permute":
         return 1.0
     return (n - 1) / n
+
+
+_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,\s]*)\}")
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """Matmul FLOPs of one run of the program ``hlo_text`` (``compiled.as_text()``), per device.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = jax.jit(lambda a, b: jax.lax.fori_loop(0, 3, lambda i, x: x @ b, a))
+    >>> matmul_flops(f.lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text())  # 3 · 2 · 4·8 · 8
+    1536.0
+    """
+    computations, entry = _parse_module(hlo_text)
+    if entry is None:
+        return 0.0
+    total = 0.0
+    for name, times in _multipliers(computations, entry, {}).items():
+        instrs = computations[name]
+        shapes = {i.name: i.shape for i in instrs}
+        for instr in instrs:
+            if instr.opcode == "dot":
+                total += times * _dot_flops(instr.shape, _operand_shapes(instr.operands, shapes), instr.attrs)
+    return total
+
+
+def _dot_flops(result: str, operands: list[str | None], attrs: str) -> float:
+    contracting = _CONTRACTING.search(attrs)
+    lhs = _ARRAY_SHAPE.findall(operands[0] or "") if operands else []
+    out = _ARRAY_SHAPE.findall(result)
+    if contracting is None or len(lhs) != 1 or len(out) != 1:
+        return 0.0
+    lhs_dims = [int(d) for d in lhs[0][1].split(",") if d.strip().isdigit()]
+    out_dims = [int(d) for d in out[0][1].split(",") if d.strip().isdigit()]
+    dims = [int(d) for d in contracting.group(1).split(",") if d.strip()]
+    if any(d >= len(lhs_dims) for d in dims):
+        return 0.0
+    return 2.0 * math.prod(out_dims) * math.prod(lhs_dims[d] for d in dims)
 
 
 # ---------------------------------------------------------------------------- module parsing
@@ -352,8 +400,8 @@ def _collective_kind(opcode: str) -> tuple[str, bool] | None:
 
 def _describe(
     instr: _Instr, shapes: dict[str, str], num_devices: int, mesh: jax.sharding.Mesh | None
-) -> tuple[str, tuple[str, ...], int, int] | None:
-    """(kind, axes, group_size, bytes of one execution) for a non-degenerate collective, else None."""
+) -> tuple[str, tuple[tuple[str, ...], tuple[int, ...]], int, int] | None:
+    """(kind, (axes, spans), group_size, bytes of one execution) for a non-degenerate collective, else None."""
     found = _collective_kind(instr.opcode)
     if found is None:
         return None
@@ -365,7 +413,7 @@ def _describe(
         if not pairs and "source_target_pairs" in attrs:
             return None
         n = _largest_component(pairs) if pairs else 2
-        axes = _axes_of_pairs(pairs, mesh)
+        axes = (_axes_of_pairs(pairs, mesh), ())
     else:
         groups = _parse_groups(attrs, num_devices)
         n = max((len(g) for g in groups), default=0) if groups is not None else 0
@@ -710,12 +758,19 @@ def _coords(mesh: jax.sharding.Mesh | None, ids: Iterable[int]) -> dict[int, tup
     return {i: tuple(int(c) for c in np.unravel_index(i, shape)) for i in ids}
 
 
-def _axes_of_groups(groups: list[list[int]], mesh: jax.sharding.Mesh | None) -> tuple[str, ...]:
+def _axes_of_groups(groups: list[list[int]], mesh: jax.sharding.Mesh | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh axes along which the groups' devices differ, and their spans (see :attr:`Collective.spans`)."""
     coords = _coords(mesh, {i for g in groups for i in g})
     if coords is None or mesh is None:
-        return ()
-    varying = {d for g in groups for d in range(len(mesh.axis_names)) if len({coords[i][d] for i in g}) > 1}
-    return tuple(name for d, name in enumerate(mesh.axis_names) if d in varying)
+        return (), ()
+    spans = {
+        d: max(len({coords[i][d] for i in g}) for g in groups)
+        for d in range(len(mesh.axis_names))
+        if any(len({coords[i][d] for i in g}) > 1 for g in groups)
+    }
+    axes = tuple(name for d, name in enumerate(mesh.axis_names) if d in spans)
+    whole = all(n == mesh.devices.shape[d] for d, n in spans.items())
+    return axes, () if whole else tuple(spans[d] for d in sorted(spans))
 
 
 def _axes_of_pairs(pairs: list[tuple[int, int]], mesh: jax.sharding.Mesh | None) -> tuple[str, ...]:

@@ -11,24 +11,27 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from typing import TYPE_CHECKING, Any
+import re
+from typing import Any
 
 import jax
 import numpy as np
+import optax
+from jax.sharding import NamedSharding
 from rich.console import Console, Group
 
 from spmd import costmodel
 from spmd._executor import Summary
 from spmd._format import format_bytes
-from spmd._hlo import Collective, collectives
-from spmd._layout import LeafLayout
+from spmd._hlo import Collective, collectives, matmul_flops
+from spmd._layout import LeafLayout, StateLayout, resolve_state
 from spmd._plan import Plan
 from spmd._report_tables import tables
 from spmd._resolve import idle_axes, idle_axes_text, unused_axes
+from spmd._rules import PlanError
+from spmd._train import TrainStep, recomputes
+from spmd._tree import unbox
 from spmd.costmodel import StepTime, Traffic
-
-if TYPE_CHECKING:
-    from spmd._train import TrainStep
 
 __all__ = ["Report", "memory_of", "report"]
 
@@ -77,14 +80,14 @@ class Report:
     execution: Summary | None = None
     activation_note: str = "activations kept for backward"
     data_parallel: Report | None = None
+    compiled_flops: float | None = None  # matmul FLOPs per device per step, read from the compiled HLO
+    layout_known: bool = True  # False: a step of your own reported without params= (see :func:`report`)
 
     @property
     def comm_bytes_per_step(self) -> dict[str, int]:
         """Per-device collective traffic per step (ring terms): what the compiler made, what the model expects."""
-        return {
-            "compiled": sum(c.traffic_bytes for c in self.collectives),
-            "analytic": int(sum(t.traffic_bytes for t in self.analytic_collectives)),
-        }
+        analytic = int(sum(t.traffic_bytes for t in self.analytic_collectives)) if self.layout_known else None
+        return {"compiled": sum(c.traffic_bytes for c in self.collectives), "analytic": analytic}
 
     def with_data_parallel(self, baseline: Report) -> Report:
         """This report measured against ``baseline``, the report of data parallelism for the same model, batch
@@ -106,6 +109,7 @@ class Report:
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "analytic_memory": self.analytic_memory,
             "flops_per_device": self.flops_per_device,
+            "compiled_flops_per_device": self.compiled_flops,
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "execution": None if self.execution is None else self.execution.kind,
         }
@@ -133,7 +137,7 @@ class Report:
         out = {
             f"{k}_bytes": self.per_device_bytes[k] / dp.per_device_bytes[k]
             for k in ("params", "grads", "total", "optimizer")
-            if dp.per_device_bytes[k]
+            if dp.per_device_bytes.get(k) and k in self.per_device_bytes
         }
         for key in ("argument_bytes", "peak_bytes"):
             if self.compiled_memory.get(key) and dp.compiled_memory.get(key):
@@ -167,19 +171,29 @@ class Report:
 
 
 def report(
-    step: TrainStep,
-    batch: Any,
+    program: Any,
+    batch: Any = None,
     *,
+    plan: Plan | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    params: Any = None,
+    optimizer: Any = None,
     workload: costmodel.Workload | None = None,
     hardware: costmodel.Hardware | None = None,
 ) -> Report:
-    """Compiles ``step`` for ``batch`` (once per batch shape) and joins the plan's layout with the compiled
-    program and the cost model's expectation (``workload``: read from the batch's ``[batch, seq]`` array unless
-    given; ``hardware``: detected from the mesh's devices unless given).
+    """The report of one training step: the plan's layout joined with the compiled program (its memory, its
+    collectives and its matmul FLOPs) and the cost model's expectation (``workload``: read from the batch's
+    ``[batch, seq]`` array unless given; ``hardware``: detected from the mesh's devices unless given).
 
-    A batch with no such array (images, say) and no ``workload`` leaves what depends on it unknown: the
-    analytic side counts the parameters' traffic and memory only, FLOPs and the modelled step time are None,
-    and a warning says so; the compiled side is whole.
+    ``program`` is a :class:`spmd.TrainStep` (compiled for ``batch``, once per batch shape: it knows its plan,
+    mesh, parameters and optimizer), or a step of your own: ``jax.jit``/``nnx.jit``'s ``train_step.lower(...)``,
+    ``.trace(...)`` or ``.lower(...).compile()``, with the ``plan`` and ``mesh`` it was laid out by, its
+    ``params`` (arrays, abstract or annotated, or an nnx state: which arguments are parameters only you know)
+    and the ``optimizer`` (an optax transformation, e.g. ``nnx.Optimizer``'s ``tx``). What is not given is
+    unknown, not guessed: without ``params`` the report has the compiled side only; without ``optimizer`` no
+    optimizer state; a batch with no token array (images) and no ``workload`` leaves the activations, FLOPs and
+    step time unknown. Each says so in a warning, as does a parameter given as an array placed otherwise than the
+    plan lays it out.
 
     >>> import spmd, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -188,49 +202,238 @@ def report(
     >>> r = spmd.report(step, {"x": jnp.ones((mesh.size, 4))})
     >>> r.params[0].spec, r.per_device_bytes["params"]
     (P(None, None), 32)
+
+    A step of your own:
+
+    >>> plan, w, x = spmd.Plan(batch_axes=("data",)), jnp.ones((4, 2)), jnp.ones((mesh.size, 4))
+    >>> own = jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w))), in_shardings=(plan.shardings(w, mesh),
+    ...               plan.batch_shardings(x, mesh)))
+    >>> r = spmd.report(own.lower(w, x), x, plan=plan, mesh=mesh, params=w)
+    >>> r.per_device_bytes["params"], [c.kind for c in r.collectives], r.compiled_flops > 0
+    (32, ['all-reduce'], True)
     """
-    compiled = step.compile(batch)
-    layout, plan, mesh, ex = step.layout, step.plan, step.mesh, step.executor
+    if isinstance(program, TrainStep):
+        named = {"plan": plan, "mesh": mesh, "params": params, "optimizer": optimizer}
+        given = [k for k, v in named.items() if v is not None]
+        if given or batch is None:
+            raise TypeError(
+                "spmd.report(step, batch): a TrainStep carries its plan, mesh, parameters and optimizer and is "
+                f"compiled for a batch; {'drop ' + ', '.join(f'{k}=' for k in given) if given else 'pass the batch'}"
+            )
+        return _report_step(program, batch, workload, hardware)
+    return _report_program(program, batch, plan, mesh, params, optimizer, workload, hardware)
+
+
+def _report_step(step: TrainStep, batch: Any, workload: Any, hardware: Any) -> Report:
     plan = step.plan_carried_out(batch)  # the estimate counts the activations a model ignoring remat keeps
-    ignored_remat = step.plan.remat and not plan.remat
-    workload = workload or _workload_of(batch)
-    known = workload is not None
-    # Without one, sequences of no tokens: the activations' traffic, memory and FLOPs count nothing.
-    workload = workload or costmodel.Workload(batch=_leading_size(batch), seq_len=0)
-    device = mesh.devices.flat[0]
-    hw = hardware or costmodel.detect(device.device_kind, device.platform)
-    estimate = costmodel.estimate_layout(layout, plan, mesh.shape, workload, hw, ex.costs(layout, batch, workload))
-    batch_ways = math.prod(mesh.shape[a] for a in plan.batch_axes)
-    batch_bytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) // batch_ways
+    said = (_IGNORED_REMAT,) if step.plan.remat and not plan.remat else ()
+    workload, known = _workload(batch, workload)
+    ex = step.executor
+    side = _Side(step.layout, ex.costs(step.layout, batch, workload), optimizer_known=True, counter_bytes=4)
+    return _join(
+        step.plan, plan, step.mesh, step.compile(batch), batch, side, workload, known, hardware,
+        branch_weights=ex.branch_weights, execution=ex.summary(step.layout, batch), said=said,
+    )  # fmt: skip
+
+
+def _report_program(
+    program: Any, batch: Any, plan: Any, mesh: Any, params: Any, optimizer: Any, workload: Any, hardware: Any
+) -> Report:
+    """The report of a step of the user's own (see :func:`report`): the same join, with what was not given
+    unknown."""
+    if not isinstance(plan, Plan) or not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            "spmd.report(program, batch, plan=, mesh=): a step of your own needs the spmd.Plan and the jax Mesh it "
+            f"was laid out by; got plan={type(plan).__name__}, mesh={type(mesh).__name__}"
+        )
+    if plan.execution is not None:
+        raise PlanError(
+            f"spmd.report: this plan runs {plan.execution.describe()}, which a step of your own does not; build its "
+            "spmd.TrainStep and report that, or report your step with a plan of SPMD annotations only"
+        )
+    plan.check_mesh(dict(mesh.shape))
+    tx = getattr(optimizer, "tx", optimizer)  # nnx.Optimizer keeps its optax transformation as .tx
+    if tx is not None and not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"spmd.report: optimizer= takes an optax transformation (or an nnx.Optimizer); got {type(tx).__name__}"
+        )
+    compiled, jaxpr = _compiled(program)
+    devices = _hlo_devices(compiled.as_text())
+    if devices not in (1, mesh.size):
+        raise ValueError(
+            f"spmd.report: the program runs on {devices} devices and the mesh {dict(mesh.shape)} has {mesh.size}; "
+            "pass the mesh the program was jitted over"
+        )
+    said, carried = [], plan
+    if plan.remat and jaxpr is not None and not recomputes(jaxpr):
+        carried, said = dataclasses.replace(plan, remat=False), [_IGNORED_REMAT]
+    elif plan.remat and jaxpr is None:
+        said = [_REMAT_UNKNOWN]
+    workload, known = _workload(batch, workload)
+    side = None
+    if params is None:
+        said.append(_PARAMS_UNKNOWN)
+    else:
+        layout = resolve_state(plan, params, tx or optax.identity(), mesh)
+        side = _Side(layout, costmodel.Contribution(), optimizer_known=tx is not None, counter_bytes=0)
+        if tx is None:
+            said.append(_OPTIMIZER_UNKNOWN)
+        said += _placed_otherwise(params, layout.params.leaves, mesh)
+    return _join(plan, carried, mesh, compiled, batch, side, workload, known, hardware, said=tuple(said))
+
+
+def _placed_otherwise(params: Any, rows: tuple[LeafLayout, ...], mesh: jax.sharding.Mesh) -> list[str]:
+    """Where parameters given as placed arrays are not laid out as the plan asks: the report shows the plan's
+    layout, and the program ran on theirs."""
+    arrays = jax.tree.leaves(unbox(params))
+    if len(arrays) != len(rows):
+        return []
+    out = []
+    for array, row in zip(arrays, rows, strict=True):
+        sharding = getattr(array, "sharding", None)
+        if not isinstance(array, jax.Array) or sharding is None or row.padded_shape is not None:
+            continue
+        if not sharding.is_equivalent_to(NamedSharding(mesh, row.spec), array.ndim):
+            spec = getattr(sharding, "spec", sharding)
+            out.append(
+                f"{row.path} is laid out as {spec} and the plan asks {row.spec}: the compiled figures are of the "
+                "arrays' layout; place them with plan.shardings (or constrain them in the step)"
+            )
+    return out
+
+
+def _compiled(program: Any) -> tuple[jax.stages.Compiled, Any]:
+    """The compiled program and, when it was given traced, its jaxpr (to see whether it rematerialises)."""
+    traced = getattr(program, "traced", program)  # nnx.jit's stages wrap jax's: .traced is jax's Traced
+    if isinstance(traced, jax.stages.Traced):
+        return program.lower().compile(), traced.jaxpr
+    if isinstance(program, jax.stages.Lowered):
+        return program.compile(), None
+    if isinstance(program, jax.stages.Compiled):
+        return program, None
+    what = "a function, which jax compiles for its arguments" if callable(program) else type(program).__name__
+    raise TypeError(
+        "spmd.report takes a spmd.TrainStep or a step of your own as jax made it for its arguments: "
+        "train_step.trace(params, opt_state, batch) (or .lower(...), or .lower(...).compile()); "
+        f"got {what}"
+    )
+
+
+def _hlo_devices(text: str) -> int:
+    found = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
+    return int(found.group(1)) if found else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """What the plan asked, where it is known: the training state's layout and what the execution adds."""
+
+    layout: StateLayout
+    costs: costmodel.Contribution
+    optimizer_known: bool
+    counter_bytes: int  # the step counter a TrainStep keeps beside the state; a loop of your own keeps its own
+
+
+def _join(
+    asked: Plan,
+    plan: Plan,
+    mesh: jax.sharding.Mesh,
+    compiled: jax.stages.Compiled,
+    batch: Any,
+    side: _Side | None,
+    workload: costmodel.Workload,
+    known: bool,
+    hardware: costmodel.Hardware | None,
+    *,
+    branch_weights: Any = None,
+    execution: Summary | None = None,
+    said: tuple[str, ...] = (),
+) -> Report:
+    """The three views joined: ``asked`` is the plan as given, ``plan`` as the program carries it out."""
+    text = compiled.as_text()
     compiled_memory = memory_of(compiled)
-    inventory = tuple(collectives(compiled.as_text(), mesh, branch_weights=ex.branch_weights))
-    analytic_memory = estimate.step_memory(batch_bytes)
-    if not known:
-        analytic_memory = {k: v for k, v in analytic_memory.items() if k in ("argument_bytes", "padding_bytes")}
-    return Report(
+    inventory = tuple(collectives(text, mesh, branch_weights=branch_weights))
+    out = Report(
         mesh_axes=dict(mesh.shape),
         plan=plan,
-        params=layout.params.leaves,
-        per_device_bytes=estimate.per_device_bytes,
+        params=(),
+        per_device_bytes={},
         compiled_memory=compiled_memory,
         collectives=inventory,
+        analytic_collectives=(),
+        warnings=(),
+        flops_per_device=None,
+        compiled_flops=matmul_flops(text),
+        execution=execution,
+        layout_known=side is not None,
+    )
+    warned = list(said)
+    if side is not None:
+        device = mesh.devices.flat[0]
+        hw = hardware or costmodel.detect(device.device_kind, device.platform)
+        estimate = costmodel.estimate_layout(side.layout, plan, mesh.shape, workload, hw, side.costs)
+        out = _with_estimate(out, estimate, side, batch, known)
+        warned += _warnings(asked, side.layout, mesh, inventory, estimate, compiled_memory, out.analytic_memory, known)
+    return dataclasses.replace(out, warnings=tuple(warned))
+
+
+def _with_estimate(out: Report, estimate: costmodel.Estimate, side: _Side, batch: Any, known: bool) -> Report:
+    """``out`` with the plan's layout and the cost model's side, less what is unknown."""
+    batch_ways = math.prod(out.mesh_axes[a] for a in out.plan.batch_axes)
+    memory = estimate.step_memory(_bytes(batch) // batch_ways)
+    memory["argument_bytes"] += side.counter_bytes - 4  # step_memory counts a TrainStep's int32 step counter
+    keep = set(memory) if known else {"argument_bytes", "padding_bytes"}
+    if not side.optimizer_known or batch is None:
+        keep -= {"argument_bytes", "peak_bytes"}
+    per_device = dict(estimate.per_device_bytes)
+    if not side.optimizer_known:
+        per_device = {k: v for k, v in per_device.items() if k in ("params", "grads")}
+    return dataclasses.replace(
+        out,
+        params=side.layout.params.leaves,
+        per_device_bytes=per_device,
         analytic_collectives=estimate.traffic,
-        warnings=tuple(
-            (_IGNORED_REMAT,) * ignored_remat
-            + tuple(_warnings(step, inventory, estimate, compiled_memory, analytic_memory, known))
-        ),
-        analytic_memory=analytic_memory,
+        analytic_memory={k: v for k, v in memory.items() if k in keep},
         flops_per_device=estimate.flops if known else None,
         modelled_step_time=estimate.time if known else None,
-        execution=ex.summary(layout, batch),
         activation_note=estimate.activation_note,
     )
+
+
+def _workload(batch: Any, workload: costmodel.Workload | None) -> tuple[costmodel.Workload, bool]:
+    """The workload, given or read from the batch, and whether it is known. Without one, sequences of no
+    tokens: the activations' traffic, memory and FLOPs count nothing."""
+    if workload is None and batch is not None:
+        workload = _workload_of(batch)
+    if workload is not None:
+        return workload, True
+    return costmodel.Workload(batch=_leading_size(batch), seq_len=0), False
+
+
+def _bytes(batch: Any) -> int:
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch))
 
 
 _IGNORED_REMAT = (
     "remat: the plan asks the model to rematerialise its layers (plan.remat), and the model applies no remat; "
     "the estimate keeps every layer's activations. Wrap its layers in nn.remat or jax.checkpoint "
     "(models.rematerialised does it for the built-in models), or build the plan with remat=False"
+)
+_REMAT_UNKNOWN = (
+    "remat: the plan asks for it (plan.remat) and a lowered or compiled program does not say whether the model "
+    "applies it; the estimate assumes it does. Pass train_step.trace(...) to have it checked"
+)
+_PARAMS_UNKNOWN = (
+    "parameters unknown: pass params= (the step's parameters, or their abstract shapes) to see the plan's layout "
+    "and the cost model's side; the compiled side is whole"
+)
+_OPTIMIZER_UNKNOWN = (
+    "optimizer unknown: the optimizer state's layout and bytes, and the analytic argument memory, are left out; "
+    "pass optimizer= (the optax transformation, or the nnx.Optimizer)"
+)
+_WORKLOAD_UNKNOWN = (
+    "workload unknown: the batch has no (batch, seq) token array, so the analytic side counts the "
+    "parameters only (no activations, FLOPs or step time); pass workload=costmodel.Workload(batch, seq_len)"
 )
 
 
@@ -247,7 +450,9 @@ def _leading_size(batch: Any) -> int:
 
 
 def _warnings(
-    step: TrainStep,
+    plan: Plan,
+    layout: StateLayout,
+    mesh: jax.sharding.Mesh,
     inventory: tuple[Collective, ...],
     estimate: costmodel.Estimate,
     compiled_memory: dict[str, int],
@@ -255,29 +460,40 @@ def _warnings(
     workload_known: bool = True,
 ) -> list[str]:
     """Where the plan, the compiler and the cost model disagree, and what the plan leaves replicated."""
-    rows, mesh = step.layout.params, step.mesh
+    rows = layout.params
     # Block padding is asked for and shown in the parameter table; other row notes are warnings.
     out = list(rows.unused_rules) + [f"{r.path}: {r.note}" for r in rows.leaves if r.note and r.padded_shape is None]
     out += [
         f"mesh axis {a!r} is used by no part of the plan: all work is replicated over it"
-        for a in unused_axes(step.plan, mesh)
+        for a in unused_axes(plan, mesh)
     ]
-    idle = idle_axes(step.plan, step.layout, mesh)
+    idle = idle_axes(plan, layout, mesh)
     if idle:
         out.append(idle_axes_text(idle, mesh))
     if not workload_known:
-        out.append(
-            "workload unknown: the batch has no (batch, seq) token array, so the analytic side counts the "
-            "parameters only (no activations, FLOPs or step time); pass workload=costmodel.Workload(batch, seq_len)"
-        )
+        out.append(_WORKLOAD_UNKNOWN)
     flag = costmodel.compare(sum(c.traffic_bytes for c in inventory), sum(t.traffic_bytes for t in estimate.traffic))
     if flag and workload_known:  # without activations the analytic traffic is a floor, not an estimate
         out.append(f"collective traffic: {flag}")
-    if "argument_bytes" in compiled_memory:
+    out += _memory_warnings(compiled_memory, analytic_memory)
+    if mesh.size > 1:
+        out += [
+            f"{r.path} ({format_bytes(r.bytes)}) is fully replicated on all {r.replicas} devices; "
+            f"add a rule or an fsdp part to split it"
+            for r in rows.leaves
+            if r.replicas == mesh.size and r.bytes >= LARGE_REPLICATED_BYTES
+        ]
+    return out
+
+
+def _memory_warnings(compiled_memory: dict[str, int], analytic_memory: dict[str, int]) -> list[str]:
+    out = []
+    if "argument_bytes" in compiled_memory and "argument_bytes" in analytic_memory:
         flag = costmodel.compare(compiled_memory["argument_bytes"], analytic_memory["argument_bytes"])
         if flag:
             out.append(f"argument memory: {flag.split(':')[0]}: a buffer the plan does not lay out")
-        ratio = compiled_memory["temp_bytes"] / max(1, analytic_memory.get("temp_bytes", compiled_memory["temp_bytes"]))
+    if "temp_bytes" in compiled_memory and "temp_bytes" in analytic_memory:
+        ratio = compiled_memory["temp_bytes"] / max(1, analytic_memory["temp_bytes"])
         if not 1 / TEMP_SLACK <= ratio <= TEMP_SLACK:
             out.append(
                 f"temporaries: compiled {ratio:.2f}× the estimate; "
@@ -288,13 +504,6 @@ def _warnings(
                     else "XLA rematerialised or fused away activations the estimate keeps"
                 )
             )
-    if mesh.size > 1:
-        out += [
-            f"{r.path} ({format_bytes(r.bytes)}) is fully replicated on all {r.replicas} devices; "
-            f"add a rule or an fsdp part to split it"
-            for r in rows.leaves
-            if r.replicas == mesh.size and r.bytes >= LARGE_REPLICATED_BYTES
-        ]
     return out
 
 

@@ -21,6 +21,18 @@ def tables(report: Report, *, max_rows: int = 40) -> Group:
     """The report as rich renderables: parameters, memory, collectives, then the execution mode's line, the
     comparison with data parallelism, notes and warnings."""
     parts: list[Any] = [_params(report, max_rows), _memory(report), _collectives(report)]
+    permutes = sorted({",".join(c.axes) for c in report.collectives if c.kind == "collective-permute"})
+    if permutes:
+        # A reshard between two device orders sends each device's shard around a cycle of the permutation: 3
+        # devices of a 4 × 2 mesh, say, which reads like a group no axis has.
+        parts.append(
+            f"note: collective-permute over {' and '.join(permutes)}: its group is the most devices its "
+            "source→target pairs link (a pipeline's shift, its stages; a reshard between two device orders, a cycle "
+            "of the permutation)"
+        )
+    ones = [k for k, v in report.mesh_axes.items() if v == 1]
+    if ones:  # a MaxText mesh names 12 axes, 9 of them of one device: they split nothing
+        parts.append(f"note: {len(ones)} mesh axes of size 1 not shown ({', '.join(ones)})")
     if report.execution is not None:
         parts.append(report.execution.text)
     if report.data_parallel is not None:
@@ -32,14 +44,15 @@ def tables(report: Report, *, max_rows: int = 40) -> Group:
 
 
 def _params(report: Report, max_rows: int) -> Table:
-    mesh = " × ".join(f"{k}={v}" for k, v in report.mesh_axes.items())
+    mesh = " × ".join(f"{k}={v}" for k, v in report.mesh_axes.items() if v > 1) or "of one device"
     table = Table(title=f"Plan on mesh {mesh}: {report.plan.describe()}", title_justify="left")
     for col in ("parameter", "shape", "dtype", "spec", "per device", "replicas"):
         table.add_column(col, justify="right" if col in ("per device", "replicas") else "left")
     for row in report.params[:max_rows]:
-        table.add_row(
-            row.path, _shape(row), row.dtype, _spec(row), format_bytes(row.bytes_per_device), str(row.replicas)
-        )
+        spec = _spec(row, report.mesh_axes)
+        table.add_row(row.path, _shape(row), row.dtype, spec, format_bytes(row.bytes_per_device), str(row.replicas))
+    if not report.layout_known:
+        table.add_row("unknown: pass params=", "", "", "", "", "")
     if len(report.params) > max_rows:
         table.add_row(f"... {len(report.params) - max_rows} more", "", "", "", "", "")
     return table
@@ -50,9 +63,9 @@ def _memory(report: Report) -> Table:
     for col in ("", "analytic", "compiled"):
         table.add_column(col, justify="left" if not col else "right")
     pd, am, cm = report.per_device_bytes, report.analytic_memory, report.compiled_memory
-    table.add_row("parameters", format_bytes(pd["params"]), "")
-    table.add_row("gradients", format_bytes(pd["grads"]), "")
-    table.add_row("optimizer state", format_bytes(pd["optimizer"]), "")
+    table.add_row("parameters", format_bytes(pd.get("params")), "")
+    table.add_row("gradients", format_bytes(pd.get("grads")), "")
+    table.add_row("optimizer state", format_bytes(pd.get("optimizer")), "")
     table.add_row(
         "arguments (state + batch)", format_bytes(am.get("argument_bytes")), format_bytes(cm.get("argument_bytes"))
     )
@@ -74,15 +87,19 @@ def _collectives(report: Report) -> Table:
         table.add_column(col, justify="left" if col in ("kind", "mesh axes") else "right")
     for c in report.collectives:
         table.add_row(
-            c.kind, ",".join(c.axes) or "-", str(c.group_size), str(c.count), format_bytes(c.bytes),
+            c.kind, _axes(c, report.mesh_axes), str(c.group_size), str(c.count), format_bytes(c.bytes),
             format_bytes(c.traffic_bytes),
         )  # fmt: skip
     if not report.collectives:
         table.add_row("none", "", "", "", "", "")
     traffic = report.comm_bytes_per_step
-    compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"])
+    compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"]) or "unknown"
     only = " (parameters only: the workload is unknown)" if report.flops_per_device is None else ""
     table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}{only}"
+    if report.compiled_flops is not None:
+        table.caption += f"; matmul FLOPs per device: compiled {report.compiled_flops:.3g}, analytic " + (
+            "unknown" if report.flops_per_device is None else f"{report.flops_per_device:.3g}"
+        )
     if report.modelled_step_time is not None:
         t = report.modelled_step_time
         table.caption += (
@@ -94,7 +111,9 @@ def _collectives(report: Report) -> Table:
 
 def _against_data_parallel(report: Report) -> str:
     dp, v = report.data_parallel, report.vs_data_parallel()
-    reductions = ", ".join(f"{c.count} {c.kind} over {'×'.join(c.axes)} (group {c.group_size})" for c in dp.collectives)
+    reductions = ", ".join(
+        f"{c.count} {c.kind} over {_axes(c, dp.mesh_axes)} (group {c.group_size})" for c in dp.collectives
+    )
     compiled = (
         f", compiled arguments {format_bytes(dp.compiled_memory['argument_bytes'])} "
         f"({v['compiled_argument_bytes']:.3f}×)"
@@ -115,5 +134,21 @@ def _shape(row: LeafLayout) -> str:
     return "(" + ", ".join(dims) + ")"
 
 
-def _spec(row: LeafLayout) -> str:
-    return "(" + ", ".join("-" if e is None else e if isinstance(e, str) else "+".join(e) for e in row.spec) + ")"
+def _spec(row: LeafLayout, sizes: dict[str, int]) -> str:
+    """The spec without axes of size 1 (they split nothing)."""
+
+    def dim(entry: Any) -> str:
+        names = [a for a in ((entry,) if isinstance(entry, str) else entry or ()) if sizes.get(a, 2) > 1]
+        return "+".join(names) or "-"
+
+    return "(" + ", ".join(dim(e) for e in row.spec) + ")"
+
+
+def _axes(c: Any, sizes: dict[str, int]) -> str:
+    """The collective's mesh axes; an axis a group spans only part of reads ``fsdp (2 of 4)``."""
+    if not c.axes:
+        return "-"
+    spans = c.spans or tuple(sizes.get(a, 0) for a in c.axes)
+    return ",".join(
+        a if n == sizes.get(a) else f"{a} ({n} of {sizes.get(a)})" for a, n in zip(c.axes, spans, strict=True)
+    )

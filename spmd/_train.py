@@ -290,7 +290,7 @@ class TrainStep:
         key = _signature(batch)
         if key not in self._compiled:
             traced = self._trace(batch)
-            self._compiled[key] = (traced.lower().compile(), self.batch_shardings(batch), _recomputes(traced.jaxpr))
+            self._compiled[key] = (traced.lower().compile(), self.batch_shardings(batch), recomputes(traced.jaxpr))
         return self._compiled[key]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
@@ -314,13 +314,13 @@ def _randomness(loss_fn: Callable, seed: int | jax.Array | None) -> tuple[BaseKe
     return (None if seed is None else BaseKey.of(seed)), (seed is not None or "step" in takes)
 
 
-def _recomputes(jaxpr: Any) -> bool:
+def recomputes(jaxpr: Any) -> bool:
     """Whether a (closed) jaxpr, or one nested in it (a scan's body, a jitted call), holds a remat: the primitive
     ``jax.checkpoint`` leaves in a differentiated program."""
     inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
     if any(e.primitive.name in ("remat2", "checkpoint") for e in inner.eqns):
         return True
-    return any(_recomputes(sub) for sub in subjaxprs(inner))
+    return any(recomputes(sub) for sub in subjaxprs(inner))
 
 
 def shard(tree: Any, plan: Plan, mesh: Mesh) -> Any:

@@ -148,6 +148,7 @@ def test_without_mesh_axes_are_empty(mesh: Mesh) -> None:
         "traffic_bytes": 32,
         "axes": [],
         "group_size": 2,
+        "spans": [],
     }
 
 
@@ -466,3 +467,37 @@ def test_real_reduce_scatter_keeps_its_raw_kind(mesh: Mesh) -> None:
         ("all-reduce", "all-reduce"),
         ("reduce-scatter", "reduce-scatter"),
     }
+
+
+def test_groups_over_part_of_an_axis_say_how_much_of_it_they_span() -> None:
+    # Read from the program XLA makes for an embedding lookup from a table split over fsdp, the tokens split over
+    # fsdp too, on fsdp=4 × tensor=2: an all-gather over pairs of devices 2 apart on fsdp (its major half), and
+    # collective-permutes that move shards between two device orders, x -> 2x mod 7: cycles of 3 devices.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+    text = """HloModule m, num_partitions=8
+ENTRY %main (p: f32[16,32]) -> f32[32,32] {
+  %p = f32[16,32]{1,0} parameter(0)
+  %g = f32[32,32]{1,0} all-gather(%p), channel_id=1, replica_groups=[4,2]<=[2,2,2]T(2,1,0), dimensions={0}
+  %w = f32[64,32]{1,0} all-gather(%g), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  ROOT %c = f32[16,32]{1,0} collective-permute(%p), channel_id=3, \
+source_target_pairs={{0,0},{1,2},{2,4},{3,6},{4,1},{5,3},{6,5},{7,7}}
+}"""
+    assert _parse_groups("replica_groups=[4,2]<=[2,2,2]T(2,1,0)", 8) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    ops = {(c.kind, c.group_size): c for c in collectives(text, mesh)}
+    part, whole = ops["all-gather", 2], ops["all-gather", 4]
+    assert (part.axes, part.spans) == (("fsdp",), (2,))  # 2 of fsdp's 4 coordinates
+    assert (whole.axes, whole.spans) == (("fsdp",), ())  # the whole axis
+    assert part.to_dict()["spans"] == [2]
+    permute = ops["collective-permute", 3]  # the longest cycle: 1 -> 2 -> 4 -> 1
+    assert permute.axes == ("fsdp", "tensor") and permute.traffic_bytes == F32_16x32
+
+
+def test_matmul_flops_count_contractions_batch_dimensions_and_loops() -> None:
+    from spmd._hlo import matmul_flops
+
+    def f(a, b):
+        return lax.fori_loop(0, 5, lambda i, x: jnp.tanh(jnp.einsum("bij,bjk->bik", x, b)), a)
+
+    text = _hlo(f, jnp.ones((3, 4, 8)), jnp.ones((3, 8, 8)))
+    assert matmul_flops(text) == 5 * 2 * 3 * 4 * 8 * 8
+    assert matmul_flops(_hlo(lambda a: jnp.tanh(a) + 1, jnp.ones(4))) == 0

@@ -1,8 +1,15 @@
 """The plan report agrees with the compiled program: memory to the byte, collectives per loop iteration."""
 
+import functools
+import re
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import spmd
 import strategies
@@ -151,3 +158,125 @@ def test_the_terminal_view_prints_warnings_as_they_are(mlp):
         step = spmd.TrainStep(models.loss_fn(mlp), optax.adam(1e-3), plan, spmd.make_mesh({"data": 8}), params=params)
         r = spmd.report(step, data.batch(0, 0, BATCH, mlp.config.seq_len, mlp.config.vocab))
     assert "rule 'no_such/w[io]/kernel' matched nothing" in str(r)
+
+
+# ------------------------------------------------------------------- a token lookup on fsdp=4 × tensor=2
+
+
+class Lookup:
+    """An embedding lookup and two projections, laid out as a BERT-like model under fsdp + tensor parallelism."""
+
+    def __init__(self):
+        from flax import linen as nn
+
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, ids):
+                x = nn.Embed(64, 32, name="word")(ids) + nn.Embed(512, 32, name="position")(jnp.arange(ids.shape[1]))
+                return nn.Dense(64, name="head")(nn.Dense(64, name="up")(x))
+
+        self.model, self.batch = Model(), {"input_ids": jnp.zeros((8, 16), jnp.int32)}
+        self.params = jax.eval_shape(self.model.init, jax.random.key(0), self.batch["input_ids"])
+        rules = [("up/kernel", (None, "tensor")), ("head/kernel", ("tensor", None))]
+        # A rule naming an axis of one device, as MaxText's rules do: it splits nothing.
+        self.plan = (
+            strategies.fsdp()
+            + strategies.tensor_parallel(rules=rules)
+            + spmd.Plan.from_rules([("head/bias", ("expert",))])
+        )
+        # Two axes of one device, as a MaxText mesh has nine: the tables leave them out.
+        self.mesh = spmd.make_mesh({"data": 1, "fsdp": 4, "tensor": 2, "expert": 1})
+        self.tx = optax.adam(1e-3)
+        self.step = spmd.TrainStep(self.loss, self.tx, self.plan, self.mesh, params=self.params)
+
+    @functools.cached_property
+    def lowered(self):
+        return self.step.lower(self.batch)  # the training step's program, as jax hands over a step of your own
+
+    def loss(self, params, batch):
+        logits = self.model.apply(params, batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["input_ids"]).mean()
+
+
+@pytest.fixture(scope="module")
+def lookup():
+    return Lookup()
+
+
+def test_a_group_over_part_of_an_axis_is_named_so_and_axes_of_one_device_are_left_out(lookup):
+    r = spmd.report(lookup.step, lookup.batch)
+    text = str(r)
+    # XLA gathers the table over 2 of fsdp's 4 devices (its reading of the lookup), and reshards between two
+    # device orders by collective-permutes whose pairs form cycles of 3 devices.
+    (part,) = [c for c in r.collectives if c.spans]
+    assert (part.kind, part.axes, part.spans, part.group_size) == ("all-gather", ("fsdp",), (2,), 2)
+    assert "fsdp (2 of 4)" in text
+    assert any(c.kind == "collective-permute" and c.axes == ("fsdp", "tensor") for c in r.collectives)
+    assert "note: collective-permute over fsdp,tensor: its group is the most devices" in text
+    assert "Plan on mesh fsdp=4 × tensor=2:" in text and "data=1" not in text and "expert" not in text.split("note")[0]
+    assert "note: 2 mesh axes of size 1 not shown (data, expert)" in text
+    assert re.search(r"params/head/bias +│ \(64,\) +│ float32 │ \(-\) ", text)
+    d = r.to_dict()  # the JSON keeps every axis
+    assert d["mesh"]["axes"] == {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}
+    assert next(row for row in d["params"] if row["path"] == "params/head/bias")["spec"] == ["expert"]
+
+
+def test_a_step_of_your_own_is_reported_as_the_training_step_is(lookup):
+    # The same program handed over as jax made it, with the plan, mesh, parameters and optimizer: the same report,
+    # but for the training step's own int32 step counter in the analytic arguments.
+    step = spmd.report(lookup.step, lookup.batch)
+    own = spmd.report(
+        lookup.lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params,
+        optimizer=lookup.tx,
+    )  # fmt: skip
+    assert own.params == step.params and own.collectives == step.collectives
+    assert own.compiled_memory == step.compiled_memory and own.per_device_bytes == step.per_device_bytes
+    assert own.analytic_memory["argument_bytes"] == step.analytic_memory["argument_bytes"] - 4
+    assert own.compiled_flops == step.compiled_flops == step.flops_per_device  # the model ignores plan.remat
+    # A lowered program does not show whether the model rematerialises: said, and the estimate takes the plan's
+    # word (8 FLOPs per multiply-add and token, not 6).
+    assert any(w.startswith("remat: the plan asks for it") for w in own.warnings)
+    assert own.flops_per_device == step.flops_per_device * 8 / 6
+
+
+def test_what_a_step_of_your_own_does_not_say_is_unknown(lookup):
+    lowered = lookup.lowered
+    bare = spmd.report(lowered, plan=lookup.plan, mesh=lookup.mesh)  # neither parameters nor batch
+    assert not bare.layout_known and bare.params == () and bare.per_device_bytes == {}
+    assert bare.comm_bytes_per_step["analytic"] is None and bare.comm_bytes_per_step["compiled"] > 0
+    assert bare.compiled_memory["argument_bytes"] > 0 and bare.compiled_flops > 0
+    assert any(w.startswith("parameters unknown: pass params=") for w in bare.warnings)
+    assert "unknown: pass params=" in str(bare)
+    no_tx = spmd.report(lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params)
+    assert set(no_tx.per_device_bytes) == {"params", "grads"} and "argument_bytes" not in no_tx.analytic_memory
+    assert any(w.startswith("optimizer unknown") for w in no_tx.warnings)
+    assert no_tx.params == spmd.report(lookup.step, lookup.batch).params
+    # Parameters given as arrays placed otherwise than the plan asks: said, per array.
+    replicated = NamedSharding(lookup.mesh, P())
+    placed = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), replicated), lookup.params)
+    r = spmd.report(lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=placed, optimizer=lookup.tx)
+    assert "params/up/kernel is laid out as P() and the plan asks P('fsdp', 'tensor')" in {
+        w.split(":")[0] for w in r.warnings
+    }
+    assert not any("head/bias is laid out" in w for w in r.warnings)  # P("expert") over one device: the same
+    shardings = lookup.plan.shardings(lookup.params, lookup.mesh)
+    placed = jax.tree.map(lambda a, s: jax.device_put(np.zeros(a.shape, a.dtype), s), lookup.params, shardings)
+    r = spmd.report(lowered, lookup.batch, plan=lookup.plan, mesh=lookup.mesh, params=placed, optimizer=lookup.tx)
+    assert not any("is laid out as" in w for w in r.warnings)
+
+
+def test_an_illegal_call_is_a_clear_error(lookup):
+    lowered = lookup.lowered
+    with pytest.raises(TypeError, match="a TrainStep carries its plan, mesh, parameters and optimizer.*drop plan="):
+        spmd.report(lookup.step, lookup.batch, plan=lookup.plan)
+    with pytest.raises(TypeError, match=r"train_step.trace\(params, opt_state, batch\).*got a function, which jax"):
+        spmd.report(jax.jit(lookup.loss), lookup.batch, plan=lookup.plan, mesh=lookup.mesh)
+    with pytest.raises(TypeError, match="needs the spmd.Plan and the jax Mesh it was laid out by; got plan=NoneType"):
+        spmd.report(lowered, lookup.batch)
+    with pytest.raises(spmd.PlanError, match="rules uses mesh axis 'expert', but the mesh has only fsdp=2,tensor=2"):
+        spmd.report(lowered, plan=lookup.plan, mesh=spmd.make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4]))
+    four = spmd.make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="the program runs on 8 devices and the mesh .* has 4"):
+        spmd.report(lowered, plan=lookup.plan, mesh=four)
+    with pytest.raises(TypeError, match="optimizer= takes an optax transformation"):
+        spmd.report(lowered, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params, optimizer="adam")
