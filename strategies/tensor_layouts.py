@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 from spmd import axes as A
 from spmd.rules import Entries, LogicalRules, PathRules, PlanError, Proposal
 
-__all__ = ["LAYOUTS", "Projections", "TensorParallelRules"]
+__all__ = ["KNOWN", "LAYOUTS", "Projections", "TensorParallelRules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ LAYOUTS = (
 )
 
 
+KNOWN = "BERT/RoBERTa/ViT, T5, GPT-2, Llama/Mistral/Gemma, and q_proj/query/out_proj/fc1/up_proj-style names"
 _SPLIT = ("split",)  # the hit of a proposal that splits a dimension
 
 
@@ -134,32 +135,32 @@ class TensorParallelRules:
     def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return self.logical.rules
 
-    def unused(self, hits: set) -> list[str]:
+    def unused(self, hits: set[Hashable]) -> list[str]:
         return self.rules.unused({h[1] for h in hits if h[0] == "rule"})
 
-    def advice(self, hits: set) -> list[str]:
+    def advice(self, hits: set[Hashable]) -> list[str]:
         """What it could not do as tensor parallelism means to: column layers without a row partner, or nothing
         split at all (then the axis only replicates work)."""
         if _SPLIT not in hits:
             return [self._splits_nothing()]
         rows = {(h[1], h[2]) for h in hits if h[0] == "row"}
-        alone = sorted({(h[1], h[3]) for h in hits if h[0] == "column" and (h[1], h[2]) not in rows})
-        return [self._no_partner([layer for _, layer in alone], LAYOUTS[alone[0][0]])] if alone else []
+        alone = sorted({h[1:] for h in hits if h[0] == "column" and (h[1], h[2]) not in rows})
+        return [self._no_partner([layer for _, _, layer in alone], alone[0][1], LAYOUTS[alone[0][0]])] if alone else []
 
-    def _no_partner(self, layers: list[str], layout: Projections) -> str:
+    def _no_partner(self, layers: list[str], unit: str, layout: Projections) -> str:
         more = f" (and {len(layers) - 1} more)" if len(layers) > 1 else ""
         return (
             f"{self.source}: column-parallel layer {layers[0]!r}{more} ({layout.family}) has no row-parallel "
-            f"partner in its block: its output, split over {self.axis!r}, is gathered whole for the next layer "
+            f"partner in its block {unit.lstrip('/')!r}: its output, split over {self.axis!r}, is gathered whole "
+            f"for the next layer "
             f"instead of feeding a matmul split on its input; give the layer that consumes it as a rule, e.g. "
             f"tensor_parallel(rules=[(r'<consumer>/kernel$', ({self.axis!r}, None))])"
         )
 
     def _splits_nothing(self) -> str:
-        families = ", ".join(layout.family.split(" (")[0] for layout in LAYOUTS)
         return (
             f"{self.source} splits nothing in this model: no array has the logical names 'heads' or 'mlp', matches "
-            f"its rules, or has a path of a layout it recognises ({families}), so mesh axis {self.axis!r} splits no "
+            f"its rules, or has a path of a layout it recognises ({KNOWN}), so mesh axis {self.axis!r} splits no "
             f"parameter and the work is replicated over it; give rules for the model's own layers, e.g. "
             f"tensor_parallel(rules=[(r'up/kernel$', (None, {self.axis!r})), (r'down/kernel$', ({self.axis!r}, None))])"
         )
