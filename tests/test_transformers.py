@@ -82,7 +82,8 @@ def _init(hf):
 
 
 def _loss(family, module):
-    """Next-token (causal LMs) or same-token (masked LMs) cross-entropy of ``module.apply`` on the parameters."""
+    """Next-token (causal LMs, T5's decoder) or same-token (masked LMs) cross-entropy of ``module.apply`` on the
+    parameters."""
 
     def loss(params, batch):
         tokens = batch["tokens"]
@@ -90,7 +91,10 @@ def _loss(family, module):
         if family in ("bert", "roberta"):
             logits = module.apply({"params": params}, tokens, ones, jnp.zeros_like(tokens), positions, None).logits
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
-        logits = module.apply({"params": params}, tokens, ones, positions).logits
+        if family == "t5":  # the encoder reads the tokens, the decoder predicts each next one
+            logits = module.apply({"params": params}, tokens, ones, tokens, ones).logits
+        else:
+            logits = module.apply({"params": params}, tokens, ones, positions).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
     return loss
@@ -149,6 +153,16 @@ def test_more_families_train_under_fsdp_and_tensor_parallel_like_one_device(fami
     plan = strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()
     _, step, said = _train_against_one_device(family, plan, {"fsdp": 4, "tensor": 2}, layers=2)
     assert any("tensor" in str(r.spec) for r in step.layout.params.leaves)
+    assert _said_by_tensor_parallel(said) == []
+
+
+@pytest.mark.slow
+def test_t5_trains_under_fsdp_and_tensor_parallel_like_one_device(clip_with_a_max):
+    plan = strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()
+    state, _, said = _train_against_one_device("t5", plan, {"fsdp": 4, "tensor": 2}, layers=2)
+    block = state.params["decoder"]["block"]["0"]["layer"]
+    assert block["1"]["EncDecAttention"]["q"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert block["2"]["DenseReluDense"]["wo"]["kernel"].sharding.spec == P("tensor", "fsdp")
     assert _said_by_tensor_parallel(said) == []
 
 
