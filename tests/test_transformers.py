@@ -29,7 +29,8 @@ VOCAB, SEQ, BATCH = 64, 16, 8
 
 
 def _tiny(family, layers=2):
-    """The HF model object (random weights, not initialised yet) and the apply signature's positional inputs."""
+    """A tiny HF model object of ``family``, its weights not created yet (``_do_init=False``: ``init_weights``
+    creates them, sharded, inside the training step's init)."""
     T = transformers
     gqa = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
     bert = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64)
@@ -54,7 +55,7 @@ def _tiny(family, layers=2):
                 feed_forward_proj="gated-gelu",
             ),
             _do_init=False,
-        ),  # fmt: skip
+        ),
         "llama": lambda: T.FlaxLlamaForCausalLM(
             T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, **gqa), _do_init=False
         ),
@@ -71,7 +72,7 @@ def _tiny(family, layers=2):
                 **gqa,
             ),
             _do_init=False,
-        ),  # fmt: skip
+        ),
     }
     return built[family]()
 
@@ -252,6 +253,10 @@ def test_a_model_tensor_parallel_does_not_recognise_is_said_to_split_nothing_onc
     assert len(nothing) == 1, said
     assert "mesh axis 'tensor'" in nothing[0] and "tensor_parallel(rules=" in nothing[0]
     assert not any("matched no array of this model" in m for m in said)  # said once, not again as an idle axis
+    # A strict plan still only warns: the model's own activation constraints may use the axis.
+    strict = (strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()).with_strict()
+    with pytest.warns(spmd.PlanWarning, match="tensor_parallel splits nothing in this model"):
+        assert strict.specs(params, {"fsdp": 4, "tensor": 2})["blocks"]["mix"]["kernel"] == P(None, "fsdp")
     # With rules for the model's own names, it splits them and says nothing.
     rules = [(r"/mix/kernel$", (None, "tensor")), (r"/unmix/kernel$", ("tensor", None))]
     with warnings.catch_warnings():
