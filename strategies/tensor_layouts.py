@@ -5,6 +5,7 @@ the plan part that applies them and says what it could not pair."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
@@ -110,24 +111,22 @@ class TensorParallelRules:
         return Proposal(entries, hits=hits, covers=any(p is not None and p.covers for p in (logical, ruled)))
 
     def _by_layout(self, leaf: Any) -> Proposal | None:
-        *layer, kind = ("", *leaf.keys)
+        *layer, kind = leaf.keys
         if kind not in ("kernel", "bias") or (kind == "kernel" and len(leaf.shape) < 2):
             return None
-        for i, layout in enumerate(LAYOUTS):
-            found = layout.match("/".join(layer))
-            if found is None:
-                continue
-            role, unit = found
-            split = (self.axis,)
-            if kind == "bias":
-                entries = (split,) if role == "column" else ()
-            else:  # the output features of a column kernel, the input features of a row kernel
-                on_first = (role == "column") == layout.transposed
-                entries = (split, ()) if on_first else ((), split)
-            entries = entries + ((),) * (len(leaf.shape) - len(entries))
-            hits = ((role, i, unit, "/".join(layer[1:])),) + ((_SPLIT,) if any(entries) else ())
-            return Proposal(entries, hits=hits, covers=True)
-        return None
+        found = _classify("/" + "/".join(layer))
+        if found is None:
+            return None
+        i, role, unit = found
+        split = (self.axis,)
+        if kind == "bias":
+            entries = (split,) if role == "column" else ()
+        else:  # the output features of a column kernel, the input features of a row kernel
+            on_first = (role == "column") == LAYOUTS[i].transposed
+            entries = (split, ()) if on_first else ((), split)
+        entries = entries + ((),) * (len(leaf.shape) - len(entries))
+        hits = ((role, i, unit, "/".join(layer)),) + ((_SPLIT,) if any(entries) else ())
+        return Proposal(entries, hits=hits, covers=True)
 
     def axes(self) -> frozenset[str]:
         return frozenset((self.axis,)) | self.rules.axes()
@@ -167,6 +166,16 @@ class TensorParallelRules:
 
     def describe(self) -> str:
         return self.source
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a layer's kernel, bias and every step's resolutions ask the same
+def _classify(layer: str) -> tuple[int, str, str] | None:
+    """``(index in LAYOUTS, role, unit)`` of the first layout matching ``layer`` ("/"-prefixed), or None."""
+    for i, layout in enumerate(LAYOUTS):
+        found = layout.match(layer)
+        if found is not None:
+            return (i, *found)
+    return None
 
 
 def _merged(leaf: Any, *proposals: Proposal | None) -> Entries:
