@@ -21,9 +21,10 @@ def tensor_parallel(*, axis: str = "tensor", rules: Sequence[tuple[str, Any]] = 
     (``attention/self/{query,key,value}`` and ``intermediate/dense`` column-parallel, ``attention/output/dense``
     and the MLP's ``output/dense`` row-parallel), T5 (``SelfAttention``/``EncDecAttention`` ``q``/``k``/``v`` →
     ``o``, ``DenseReluDense`` ``wi``/``wi_0``/``wi_1`` → ``wo``), GPT-2 (``attn/c_attn`` → ``attn/c_proj``,
-    ``mlp/c_fc`` → ``mlp/c_proj``, kernels stored ``[out, in]``), Llama/Mistral/Gemma (``q_proj``/``k_proj``/
-    ``v_proj`` → ``o_proj``, ``gate_proj``/``up_proj`` → ``down_proj``), and ``query``/``fc1``/``out_proj``/
-    ``fc2``-style names. A column-parallel kernel ``[in, out]`` is split on ``out`` and its bias with it; a
+    ``mlp/c_fc`` → ``mlp/c_proj``, ``Conv1D`` kernels stored ``[out, in]``), Llama/Mistral/Gemma (``q_proj``/
+    ``k_proj``/``v_proj`` → ``o_proj``, ``gate_proj``/``up_proj`` → ``down_proj``), and the ``query``/
+    ``out_proj``/``fc1``/``fc2``/``fc_in``/``fc_out`` names of OPT, BART, CLIP, GPT-Neo, GPT-J and flax's
+    attention. A column-parallel kernel ``[in, out]`` is split on ``out`` and its bias with it; a
     row-parallel one on ``in``, its bias kept whole.
 
     Warns (:class:`spmd.PlanWarning`) when a column-parallel layer has no row-parallel partner in its block, and

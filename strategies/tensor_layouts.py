@@ -21,7 +21,10 @@ class Projections:
     """One family's column-parallel projections and their row-parallel partners, as regexes matched in full
     against ``"/"`` + the path of the layer (the array's path without its last key). The group ``unit`` names the
     block a column layer and its row partner share (an attention layer, an MLP); ``transposed`` kernels are stored
-    ``[out, in]`` (GPT-2's ``Conv1D``) instead of flax's ``[in, out]``.
+    ``[out, in]`` (GPT-2's ``Conv1D``) instead of flax's ``[in, out]``. Under ``by_shape`` a 2-D kernel's
+    orientation is read from its shape: the dimension split (the MLP's hidden one, the fused ``q, k, v``) is the
+    larger, and ``transposed`` only decides a square kernel (GPT-Neo names its ``nn.Dense`` MLP as GPT-2 names its
+    ``Conv1D`` one).
 
     >>> bert = LAYOUTS[0]
     >>> bert.match("/bert/encoder/layer/0/attention/self/query"), bert.match("/bert/pooler/dense")
@@ -32,6 +35,7 @@ class Projections:
     column: str
     row: str
     transposed: bool = False
+    by_shape: bool = False
 
     def match(self, layer: str) -> tuple[str, str] | None:
         """``(role, unit)`` of ``layer`` ("/"-prefixed path), or None when neither pattern matches it."""
@@ -56,22 +60,22 @@ LAYOUTS = (
         r"(?P<unit>.*/(SelfAttention|EncDecAttention))/(q|k|v)",
         r"(?P<unit>.*/(SelfAttention|EncDecAttention))/o",
     ),
-    Projections("GPT-2 attention", r"(?P<unit>.*/attn)/c_attn", r"(?P<unit>.*/attn)/c_proj", transposed=True),
-    Projections("GPT-2 MLP", r"(?P<unit>.*/mlp)/c_fc", r"(?P<unit>.*/mlp)/c_proj", transposed=True),
+    Projections("GPT-2 attention", r"(?P<unit>.*/attn)/c_attn", r"(?P<unit>.*/attn)/c_proj", True, by_shape=True),
+    Projections("GPT-2 MLP", r"(?P<unit>.*/mlp)/c_fc", r"(?P<unit>.*/mlp)/c_proj", True, by_shape=True),
     Projections(
-        "attention (Llama/Mistral/Gemma, OPT, BART, CLIP, flax's MultiHeadDotProductAttention)",
+        "attention (Llama/Mistral/Gemma, OPT, BART, CLIP, GPT-Neo, GPT-J, flax's MultiHeadDotProductAttention)",
         r"(?P<unit>.*)/(q_proj|k_proj|v_proj|qkv_proj|query|key|value|qkv)",
         r"(?P<unit>.*)/(o_proj|out_proj|out)",
     ),
     Projections(
-        "MLP (Llama/Mistral/Gemma, T5, OPT)",
-        r"(?P<unit>.*)/(gate_proj|up_proj|wi|wi_0|wi_1|fc1)",
-        r"(?P<unit>.*)/(down_proj|wo|fc2)",
+        "MLP (Llama/Mistral/Gemma, T5, OPT, BART, CLIP, GPT-J)",
+        r"(?P<unit>.*)/(gate_proj|up_proj|wi|wi_0|wi_1|fc1|fc_in)",
+        r"(?P<unit>.*)/(down_proj|wo|fc2|fc_out)",
     ),
 )
 
 
-KNOWN = "BERT/RoBERTa/ViT, T5, GPT-2, Llama/Mistral/Gemma, and q_proj/query/out_proj/fc1/up_proj-style names"
+KNOWN = "BERT/RoBERTa/ViT, T5, GPT-2, Llama/Mistral/Gemma, and q_proj/query/out_proj/fc1/fc_in/up_proj-style names"
 _SPLIT = ("split",)  # the hit of a proposal that splits a dimension
 
 
@@ -122,7 +126,10 @@ class TensorParallelRules:
         if kind == "bias":
             entries = (split,) if role == "column" else ()
         else:  # the output features of a column kernel, the input features of a row kernel
-            on_first = (role == "column") == LAYOUTS[i].transposed
+            layout = LAYOUTS[i]
+            on_first = (role == "column") == layout.transposed
+            if layout.by_shape and len(leaf.shape) == 2 and leaf.shape[0] != leaf.shape[1]:
+                on_first = leaf.shape[0] > leaf.shape[1]
             entries = (split, ()) if on_first else ((), split)
         entries = entries + ((),) * (len(leaf.shape) - len(entries))
         hits = ((role, i, unit, "/".join(layer)),) + ((_SPLIT,) if any(entries) else ())

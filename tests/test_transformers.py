@@ -62,6 +62,59 @@ def _tiny(family, layers=2):
         "mistral": lambda: T.FlaxMistralForCausalLM(
             T.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, **gqa), _do_init=False
         ),
+        "gpt_neo": lambda: T.FlaxGPTNeoForCausalLM(
+            T.GPTNeoConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_layers=layers,
+                attention_types=[[["global"], layers]],
+                num_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=SEQ,
+            ),
+            _do_init=False,
+        ),
+        "gptj": lambda: T.FlaxGPTJForCausalLM(
+            T.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, rotary_dim=4, n_positions=SEQ),
+            _do_init=False,
+        ),
+        "opt": lambda: T.FlaxOPTForCausalLM(
+            T.OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                ffn_dim=128,
+                word_embed_proj_dim=32,
+                max_position_embeddings=SEQ,
+            ),
+            _do_init=False,
+        ),
+        "bart": lambda: T.FlaxBartForConditionalGeneration(
+            T.BartConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=layers,
+                decoder_layers=layers,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=SEQ,
+            ),
+            _do_init=False,
+        ),
+        "clip": lambda: T.FlaxCLIPTextModel(
+            T.CLIPTextConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=SEQ,
+            ),
+            _do_init=False,
+        ),
         "gemma": lambda: T.FlaxGemmaForCausalLM(
             T.GemmaConfig(
                 vocab_size=VOCAB,
@@ -190,11 +243,17 @@ FAMILIES = {
     "llama": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj"), "in_out", 2 * 7),
     "mistral": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj"), "in_out", 2 * 7),
     "gemma": (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj"), "in_out", 2 * 7),
+    # GPT-Neo names its nn.Dense MLP as GPT-2 names its Conv1D one: [in, out], read from the shape.
+    "gpt_neo": (("q_proj", "k_proj", "v_proj", "mlp/c_fc"), ("out_proj", "mlp/c_proj"), "in_out", 2 * 6),
+    "gptj": (("q_proj", "k_proj", "v_proj", "fc_in"), ("out_proj", "fc_out"), "in_out", 2 * 6),
+    "opt": (("q_proj", "k_proj", "v_proj", "fc1"), ("out_proj", "fc2"), "in_out", 2 * 6),
+    "bart": (("q_proj", "k_proj", "v_proj", "fc1"), ("out_proj", "fc2"), "in_out", 2 * 6 + 2 * 10),
+    "clip": (("q_proj", "k_proj", "v_proj", "fc1"), ("out_proj", "fc2"), "in_out", 2 * 6),
 }  # fmt: skip
 
 
 def _expected(path, column, row, orientation):
-    layer, kind = path.rsplit("/", 1)
+    layer, _, kind = ("/" + path).rpartition("/")
     is_column = any(layer.endswith("/" + name) for name in column)
     is_row = any(layer.endswith("/" + name) for name in row)
     if kind == "bias":
