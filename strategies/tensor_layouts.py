@@ -11,7 +11,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 from spmd import axes as A
-from spmd.rules import Entries, LogicalRules, PathRules, PlanError, Proposal
+from spmd.rules import ROLES, Entries, LogicalRules, PathRules, PlanError, Proposal
 
 __all__ = ["KNOWN", "LAYOUTS", "Projections", "TensorParallelRules"]
 
@@ -97,7 +97,7 @@ class TensorParallelRules:
     axis: str
     rules: PathRules = PathRules((), "tensor_parallel rules")
     source: str = "tensor_parallel"
-    roles: ClassVar[tuple[str, ...]] = ("params", "grads", "optimizer")
+    roles: ClassVar[tuple[str, ...]] = ROLES
     after_rules: ClassVar[bool] = False
     reports_idle: ClassVar[bool] = True  # advice() says when it splits nothing, so the idle-axis check need not
 
