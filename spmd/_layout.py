@@ -95,6 +95,7 @@ class Layout:
     leaves: tuple[LeafLayout, ...]
     unused_rules: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    advice: tuple[str, ...] = ()  # what the plan's parts could not do as asked (warned, and in the report)
 
     @property
     def bytes_per_device(self) -> int:

@@ -462,7 +462,11 @@ def _warnings(
     """Where the plan, the compiler and the cost model disagree, and what the plan leaves replicated."""
     rows = layout.params
     # Block padding is asked for and shown in the parameter table; other row notes are warnings.
-    out = list(rows.unused_rules) + [f"{r.path}: {r.note}" for r in rows.leaves if r.note and r.padded_shape is None]
+    out = (
+        list(rows.unused_rules)
+        + list(rows.advice)
+        + [f"{r.path}: {r.note}" for r in rows.leaves if r.note and r.padded_shape is None]
+    )
     out += [
         f"mesh axis {a!r} is used by no part of the plan: all work is replicated over it"
         for a in unused_axes(plan, mesh)

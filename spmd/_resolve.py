@@ -113,10 +113,10 @@ def _resolve(plan: Plan, tree: Any, mesh: Mesh | Mapping[str, int] | None, *, pa
     resolved = resolver.rows([leaves[i] for i in own])
     for i, own_row in zip(own, resolved, strict=True):
         rows[i] = own_row
-    unused = resolver.unused() if params is None and own else []
+    unused, advice = resolver.unused() if params is None and own else ([], [])
     notes = [f"{r.path}: {r.note}" for r in resolved if r.note]
     specs = rebuild(treedef, [r.spec for r in rows])
-    return Layout(specs=specs, leaves=tuple(rows), unused_rules=tuple(unused), notes=tuple(notes))
+    return Layout(specs, tuple(rows), unused_rules=tuple(unused), notes=tuple(notes), advice=tuple(advice))
 
 
 @dataclasses.dataclass
@@ -134,14 +134,19 @@ class _Resolver:
     def rows(self, leaves: list[Leaf]) -> list[LeafLayout]:
         return [self.one(leaf) for leaf in leaves]
 
-    def unused(self) -> list[str]:
-        """Rules that matched nothing: a warning, or under a strict plan an error."""
-        out = [m for p, part in enumerate(self.parts) for m in part.unused({r for q, r in self.hits if q == p})]
+    def unused(self) -> tuple[list[str], list[str]]:
+        """Rules that matched nothing (a warning, or under a strict plan an error), and the parts' advice (a
+        warning each)."""
+        mine = [{r for q, r in self.hits if q == p} for p in range(len(self.parts))]
+        out = [m for part, hits in zip(self.parts, mine, strict=True) for m in part.unused(hits)]
+        advice = [m for part, hits in zip(self.parts, mine, strict=True) for m in part.advice(hits)]
         if out:
             if self.plan.strict:
                 raise PlanError(f"strict plan: {out[0]} (and {len(out) - 1} more); fix or remove the rule")
             warnings.warn("; ".join(out), PlanWarning, stacklevel=user_stacklevel())
-        return out
+        for message in advice:
+            warnings.warn(message, PlanWarning, stacklevel=user_stacklevel())
+        return out, advice
 
     def one(self, leaf: Leaf) -> LeafLayout:
         ndim = len(leaf.shape)
@@ -319,18 +324,23 @@ def unused_axes(plan: Plan, mesh: Any) -> list[str]:
 def idle_axes(plan: Plan, layout: Any, mesh: Any) -> dict[str, list[str]]:
     """The mesh axes (of more than one device) that parts of ``plan`` name but that split no array of the
     training state ``layout`` (a :class:`spmd._layout.StateLayout`), with those parts: a strategy whose rules
-    matched nothing in this model (tensor parallelism on unfamiliar layer names). Batch axes and an execution
-    mode's axes split the batch and the work instead, and are not counted.
+    matched nothing in this model. Batch axes and an execution mode's axes split the batch and the work instead,
+    and are not counted; nor are parts that say so themselves (``reports_idle``: tensor_parallel's advice).
 
-    >>> import spmd, optax, jax, strategies
+    >>> import spmd, optax, jax
     >>> from spmd._layout import resolve_state
-    >>> plan = strategies.data_parallel() + strategies.tensor_parallel()
+    >>> from spmd.rules import LogicalRules
+    >>> mine = LogicalRules((("mlp", ("tensor",)),), "my_tensor_parallel", report_unused=False)
+    >>> plan = spmd.Plan(parts=(mine,), batch_axes=("data",))
     >>> sizes, params = {"data": 2, "tensor": 4}, {"norm": jax.ShapeDtypeStruct((64,), "float32")}
     >>> idle_axes(plan, resolve_state(plan, params, optax.sgd(0.1), sizes), sizes)
-    {'tensor': ['tensor_parallel']}
+    {'tensor': ['my_tensor_parallel']}
     """
     sizes = sizes_of(mesh)
     by_source = plan.axes_by_source()
+    for part in plan.all_parts:  # a part that says itself when it splits nothing (tensor_parallel) is not repeated
+        if getattr(part, "reports_idle", False):
+            by_source.pop(part.source, None)
     elsewhere = set(plan.batch_axes) | (set(plan.execution.axes()) if plan.execution is not None else set())
     rows = [*layout.params.leaves, *layout.grads.leaves, *layout.opt_state.leaves]
     splitting = {a for r in rows for e in r.spec if e for a in ((e,) if isinstance(e, str) else e)}

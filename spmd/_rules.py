@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from jax.sharding import PartitionSpec
@@ -96,17 +96,18 @@ class Proposal:
     """What one part asks of one array.
 
     ``entries``: mesh axes per dimension (empty: no opinion); ``hits``: which of the part's rules matched (so the
-    plan can report rules that matched nothing); ``covers``: the part decided this array's layout (strict plans
-    want every array covered); ``pads``: dimensions padded up to a size (block alignment); ``note``: recorded in
-    the array's layout row; ``unmet``: the part should have split the array and could not — an error unless
-    another part split it or the plan allows it to stay replicated (``note`` then says why).
+    plan can report rules that matched nothing), or any hashable keys the part reads back in ``unused`` and
+    ``advice``; ``covers``: the part decided this array's layout (strict plans want every array covered);
+    ``pads``: dimensions padded up to a size (block alignment); ``note``: recorded in the array's layout row;
+    ``unmet``: the part should have split the array and could not — an error unless another part split it or the
+    plan allows it to stay replicated (``note`` then says why).
 
     >>> Proposal(((), ("tensor",)), hits=(0,), covers=True).entries
     ((), ('tensor',))
     """
 
     entries: Entries = ()
-    hits: tuple[int, ...] = ()
+    hits: tuple[Hashable, ...] = ()
     covers: bool = False
     pads: Mapping[int, int] = dataclasses.field(default_factory=dict)
     note: str | None = None
@@ -124,7 +125,10 @@ class Part(Protocol):
       already taken per dimension and the mesh sizes (None when planning without a mesh);
     - ``axes()``: the mesh axes it may use; ``logical_rules()``: the ``(logical name, mesh axes)`` rules it
       contributes to activations (flax's rule context and :func:`spmd.constrain`);
-    - ``unused(hits)``: one message per rule of its own that no array matched; ``describe()``: a few words.
+    - ``unused(hits)``: one message per rule of its own that no array matched (an error under a strict plan);
+    - ``advice(hits)``: what else it could not do as asked (a warning even under a strict plan: e.g. tensor
+      parallelism splitting nothing); a part whose advice says when it splits nothing sets ``reports_idle``;
+    - ``describe()``: a few words.
 
     The plan resolves an array in two phases. First every rule part (``after_rules`` False) proposes for every
     role; their proposals merge, a conflict is an error, and the mesh axes are checked against the array's
@@ -148,6 +152,8 @@ class Part(Protocol):
     def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]: ...
 
     def unused(self, hits: set[int]) -> list[str]: ...
+
+    def advice(self, hits: set[Hashable]) -> list[str]: ...
 
     def describe(self) -> str: ...
 
@@ -223,6 +229,9 @@ class PathRules:
 
     def unused(self, hits: set[int]) -> list[str]:
         return _unused_rules(self, hits)
+
+    def advice(self, hits: set[Hashable]) -> list[str]:
+        return []
 
     def describe(self) -> str:
         return self.source
@@ -308,6 +317,9 @@ class LogicalRules:
         # names is doing what it is for, and is not reported as matching nothing.
         for_activations = {i for i, (name, _) in enumerate(self.rules) if is_activation_name(name)}
         return _unused_rules(self, hits | for_activations)
+
+    def advice(self, hits: set[Hashable]) -> list[str]:
+        return []
 
     def describe(self) -> str:
         return self.source
@@ -466,6 +478,9 @@ class ShardLargest:
         return ()
 
     def unused(self, hits: set[int]) -> list[str]:
+        return []
+
+    def advice(self, hits: set[Hashable]) -> list[str]:
         return []
 
     def describe(self) -> str:

@@ -8,31 +8,35 @@ from typing import Any
 
 from spmd import Plan, costmodel
 from spmd import axes as A
-from spmd.rules import LogicalRules
-
-# Common parameter names of unannotated third-party Flax models: column-parallel, then row-parallel projections.
-_COLUMN = r"(query|key|value|q_proj|k_proj|v_proj|qkv|wi|wi_0|wi_1|up_proj|gate_proj|fc1|c_fc|c_attn)/kernel$"
-_ROW = r"(out|o_proj|out_proj|wo|down_proj|fc2|c_proj)/kernel$"
+from spmd.rules import LogicalRules, PathRules
+from strategies.tensor_layouts import TensorParallelRules
 
 
 def tensor_parallel(*, axis: str = "tensor", rules: Sequence[tuple[str, Any]] = ()) -> Plan:
     """Splits attention heads and the MLP hidden dimension over ``axis`` (Megatron's column/row split).
 
     Logically annotated models (the built-in ones, or any using ``heads``/``mlp`` names) are split through
-    logical rules. Unannotated models are split by path: ``rules`` first (your model's names), then defaults
-    for common projection names (``query``/``q_proj``/``fc1``... column-parallel, ``out``/``o_proj``/``fc2``...
-    row-parallel) on 2-D kernels ``[in, out]``.
+    logical rules. Unannotated models are split by path: ``rules`` first (your model's names), then the layouts of
+    common third-party models (:data:`strategies.tensor_layouts.LAYOUTS`): BERT/RoBERTa/ViT
+    (``attention/self/{query,key,value}`` and ``intermediate/dense`` column-parallel, ``attention/output/dense``
+    and the MLP's ``output/dense`` row-parallel), T5 (``SelfAttention``/``EncDecAttention`` ``q``/``k``/``v`` →
+    ``o``, ``DenseReluDense`` ``wi``/``wi_0``/``wi_1`` → ``wo``), GPT-2 (``attn/c_attn`` → ``attn/c_proj``,
+    ``mlp/c_fc`` → ``mlp/c_proj``, ``Conv1D`` kernels stored ``[out, in]``), Llama/Mistral/Gemma (``q_proj``/
+    ``k_proj``/``v_proj`` → ``o_proj``, ``gate_proj``/``up_proj`` → ``down_proj``), and the ``query``/
+    ``out_proj``/``fc1``/``fc2``/``fc_in``/``fc_out`` names of OPT, BART, CLIP, GPT-Neo, GPT-J and flax's
+    attention. A column-parallel kernel ``[in, out]`` is split on ``out`` and its bias with it; a
+    row-parallel one on ``in``, its bias kept whole.
+
+    Warns (:class:`spmd.PlanWarning`) when a column-parallel layer has no row-parallel partner in its block, and
+    when nothing in the model is split: give ``rules`` for the model's own layer names then.
 
     >>> import numpy as np
-    >>> tensor_parallel().specs({"fc1": {"kernel": np.zeros((8, 32))}}, {"tensor": 2})
-    {'fc1': {'kernel': P(None, 'tensor')}}
+    >>> mlp = {"fc1": {"kernel": np.zeros((8, 32))}, "fc2": {"kernel": np.zeros((32, 8))}}
+    >>> tensor_parallel().specs(mlp, {"tensor": 2})
+    {'fc1': {'kernel': P(None, 'tensor')}, 'fc2': {'kernel': P('tensor', None)}}
     """
-    # The logical rules are generic, so a model without heads (an MLP) must not warn about them.
-    plan = Plan(parts=(LogicalRules(((A.HEADS, (axis,)), (A.MLP, (axis,))), "tensor_parallel", report_unused=False),))
-    if rules:
-        plan = plan + Plan.from_rules(rules, source="tensor_parallel rules")
-    defaults = [(_COLUMN, (None, axis)), (_ROW, (axis, None))]
-    return plan + Plan.from_rules(defaults, source="tensor_parallel", only_unannotated=True, report_unused=False)
+    parsed = PathRules.parse(rules, "tensor_parallel rules")
+    return Plan(parts=(TensorParallelRules(axis, parsed),))
 
 
 def sequence_parallel(*, axis: str = "tensor") -> Plan:

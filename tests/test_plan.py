@@ -73,11 +73,13 @@ def test_a_strategy_that_splits_nothing_in_the_model_is_said():
     plan = strategies.data_parallel() + strategies.tensor_parallel()
     mesh = spmd.make_mesh({"data": 2, "tensor": 4})
     loss = lambda p, b: jnp.sum(p["dense"]["kernel"]) * jnp.mean(b["x"])  # noqa: E731
-    with pytest.warns(PlanWarning, match=r"mesh axis 'tensor' \(4 devices\) splits no parameter.*tensor_parallel"):
+    with pytest.warns(PlanWarning, match=r"tensor_parallel splits nothing in this model.*mesh axis 'tensor'"):
         step = spmd.TrainStep(loss, optax.sgd(0.1), plan, mesh, params=params)
-    assert any(
-        "'tensor' (4 devices) splits no parameter" in w for w in spmd.report(step, {"x": jnp.ones((8, 4))}).warnings
-    )
+    assert any("tensor_parallel splits nothing" in w for w in spmd.report(step, {"x": jnp.ones((8, 4))}).warnings)
+    # Another strategy naming an axis that splits nothing is said as the idle axis.
+    mine = spmd.Plan(parts=(spmd.rules.LogicalRules((("mlp", ("tensor",)),), "my_tp", report_unused=False),))
+    with pytest.warns(PlanWarning, match=r"mesh axis 'tensor' \(4 devices\) splits no parameter.*my_tp"):
+        spmd.TrainStep(loss, optax.sgd(0.1), strategies.data_parallel() + mine, mesh, params=params)
     # Where the rules match, the axis splits and nothing is said.
     named = {"fc1": {"kernel": sds(16, 64)}, "fc2": {"kernel": sds(64, 16)}}
     with warnings.catch_warnings():
