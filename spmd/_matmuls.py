@@ -107,6 +107,10 @@ class Matmul:
         return len(self.in_dims) == 1 and len(self.out_dims) == 2 and not self.experts
 
 
+# What flax calls the weights of its Dense, DenseGeneral, Einsum and Embed layers.
+_WEIGHTS = ("kernel", "embedding")
+
+
 def _candidates(rows: Iterable[LeafLayout]) -> list[tuple[LeafLayout, list[int], int]]:
     """(row, the dimensions that take part in a matmul, expert count) for each array of two such or more."""
     out = []
@@ -135,7 +139,9 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
 
     Two-dimensional weights are ``[in, out]`` (flax ``Dense``, and ``Embed`` tables, which are lookups); wider
     annotated ones read the residual stream when its name comes first and write it when it comes last, and are
-    not matmuls otherwise (a convolution's ``[taps, in, out]``). Vectors (biases, norm scales) are not matmuls.
+    not matmuls otherwise (a convolution's ``[taps, in, out]``). An annotated array counts when flax would call
+    it a ``kernel`` or an ``embedding``, or when it touches the residual stream (a mixture's raw expert weights);
+    vectors (biases, norm scales) never do.
 
     >>> import spmd, numpy as np
     >>> from flax import linen as nn
@@ -151,6 +157,9 @@ def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
     out = []
     for row, dims, experts in candidates:
         names = row.names or (None,) * len(row.shape)
+        touches = residual is not None and residual in (names[dims[0]], names[dims[-1]])
+        if row.names is not None and not touches and not row.path.endswith(_WEIGHTS):
+            continue  # an annotated array that neither a Dense/Embed holds nor touches the residual stream
         if len(dims) == 2:
             in_dims, out_dims = (dims[0],), (dims[1],)
         elif residual is not None and names[dims[0]] == residual:

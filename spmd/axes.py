@@ -3,8 +3,8 @@
 Models annotate parameters and activations with these names (``nn.with_logical_partitioning(init, (EMBED,
 MLP))``, ``spmd.constrain(x, (BATCH, SEQ, EMBED))``); strategies map them to mesh axes (``(MLP, "tensor")``). The
 cost model does not depend on these words: it reads what a weight does from its shape and layout, whatever a model
-calls its dimensions. Execution modes prepend their own names to the arrays they store: a pipeline ``(STAGE, CHUNK, LAYERS, ...)``,
-subnetwork data parallelism ``(WORKER, ...)``.
+calls its dimensions. Execution modes prepend their own names to the arrays they store: a pipeline ``(STAGE,
+CHUNK, LAYERS, ...)``, subnetwork data parallelism ``(WORKER, ...)``.
 
 >>> from spmd import axes
 >>> (axes.EMBED, axes.MLP), axes.STACKING

@@ -103,3 +103,25 @@ def test_remat_recomputes_what_the_compiled_program_recomputes():
     # layer's input, kept anyway): FLOPs and the tensor axis's forward all-reduces follow.
     model = models.get("gpt-tiny", layers=2, remat=True)
     _assert_agrees(_measure(model, strategies.from_names("dp+tp") + spmd.Plan(remat=True), {"data": 2, "tensor": 4}))
+
+
+def test_matmul_roles_come_from_shapes_not_words():
+    from flax import linen as nn
+
+    def box(shape, names):
+        return nn.LogicallyPartitioned(jax.ShapeDtypeStruct(shape, "float32"), names)
+
+    params = {
+        "embedding": {"embedding": box((256, 64), ("vocab", "embed"))},
+        # MaxText stacks its layers on dimension 1 (param_scan_axis).
+        "query": {"kernel": box((64, 3, 4, 16), ("embed", "layers", "q_heads", "kv"))},
+        "out": {"kernel": box((4, 3, 16, 64), ("heads", "layers", "kv", "embed"))},
+        "wi": {"kernel": box((64, 3, 128), ("embed", "layers", "mlp"))},
+        "conv": {"kernel": box((3, 64, 64), ("taps", "c_in", "c_out"))},  # [taps, in, out]: not a matmul
+        "rel_bias": box((4, 32), ("heads", "buckets")),  # neither a kernel nor touching the residual stream
+    }
+    found = {m.parent: m for m in costmodel.matmuls(spmd.Plan().resolve(params).leaves)}
+    assert set(found) == {"embedding/embedding", "query", "out", "wi"}
+    assert (found["query"].in_dims, found["query"].out_dims, found["query"].layers) == ((0,), (2, 3), 3)
+    assert (found["out"].in_dims, found["out"].out_dims) == ((0, 2), (3,))
+    assert found["out"].writes_residual and found["wi"].reads_residual and found["embedding/embedding"].lookup
