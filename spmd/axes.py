@@ -1,10 +1,10 @@
 """Logical axis names: what models call their arrays' dimensions, and what plans map to mesh axes.
 
 Models annotate parameters and activations with these names (``nn.with_logical_partitioning(init, (EMBED,
-MLP))``, ``spmd.constrain(x, (BATCH, SEQ, EMBED))``); strategies map them to mesh axes (``(MLP, "tensor")``); the
-cost model reads what a weight does from them (``EMBED`` first reads the residual stream, ``EMBED`` last writes
-it). Execution modes prepend their own names to the arrays they store: a pipeline ``(STAGE, CHUNK, LAYERS, ...)``,
-subnetwork data parallelism ``(WORKER, ...)``.
+MLP))``, ``spmd.constrain(x, (BATCH, SEQ, EMBED))``); strategies map them to mesh axes (``(MLP, "tensor")``). The
+cost model does not depend on these words: it reads what a weight does from its shape and layout, whatever a model
+calls its dimensions. Execution modes prepend their own names to the arrays they store: a pipeline ``(STAGE,
+CHUNK, LAYERS, ...)``, subnetwork data parallelism ``(WORKER, ...)``.
 
 >>> from spmd import axes
 >>> (axes.EMBED, axes.MLP), axes.STACKING

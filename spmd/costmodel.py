@@ -6,16 +6,21 @@ the :class:`Workload` (tokens per step) and, for times, a :class:`Hardware` desc
 Collective traffic uses ring formulas per device: all-reduce 2(N−1)/N·S, all-gather, reduce-scatter and
 all-to-all (N−1)/N·S of the full buffer S.
 
-- The data-parallel family (DP, ZeRO-1/2/3, FSDP, HSDP): gradient reductions, FSDP's parameter gathers (twice with
-  layer rematerialisation: forward and backward) and ZeRO-1/2's all-gathers of updated parameter shards.
-- Activations, read off every weight that acts as a matmul (:func:`matmuls`): a split of its input (contraction)
+Everything is read from the layouts — which dimension of which weight is split over which mesh axis, and
+whether that axis is a batch axis — never from which plan part made the split or what the model calls it.
+
+- The data-parallel family (DP, ZeRO-1/2/3, FSDP, HSDP): gradient reductions, the gathers of parameters split
+  over a batch axis (twice with layer rematerialisation or in stacked layers: forward and backward) and
+  ZeRO-1/2's all-gathers of updated parameter shards.
+- Activations, read off every weight that acts as a matmul (:func:`matmuls`, which finds them by their shapes
+  and roles, whatever their dimensions are called): a split of its input (contraction)
   dimension over model axes all-reduces its output in the forward pass; a split of its output dimension
   all-reduces its input gradient in the backward pass. That is Megatron's column/row pair (one all-reduce per
   block each way), ATP's 2-D tensor parallelism, and sequence parallelism, where each such all-reduce becomes a
   reduce-scatter and an all-gather and the weights the sequence shards share reduce their gradients over it.
   Experts split over an axis send their tokens there and back by all-to-all.
-- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more with remat, plus attention's
-  score and value products; split over the devices that share the work.
+- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where remat recomputes it,
+  plus attention's score and value products; split over the devices that share the work.
 
 >>> import jax, optax, spmd
 >>> from spmd import costmodel
@@ -39,7 +44,10 @@ import jax.numpy as jnp
 from spmd import axes as A
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
 from spmd._layout import LeafLayout, StateLayout, resolve_state
-from spmd._rules import PlanError, ShardLargest, assign_by_rules
+from spmd._matmuls import Matmul, attention_parents, matmuls, stacked
+from spmd._matmuls import dim_axes as _dim_axes
+from spmd._matmuls import spec_axes as _axes
+from spmd._rules import PlanError, assign_by_rules
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
@@ -62,6 +70,7 @@ __all__ = [
     "estimate",
     "estimate_layout",
     "flops_per_device",
+    "gathered_axes",
     "hardware",
     "matmuls",
     "model_state_bytes",
@@ -70,6 +79,7 @@ __all__ = [
     "pipeline_tick_bytes",
     "pipeline_traffic",
     "step_time",
+    "token_lookup",
     "subnet_traffic",
     "traffic",
 ]
@@ -174,32 +184,51 @@ def model_state_bytes(layout: StateLayout) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
 
 
-def _axes(row: LeafLayout) -> set[str]:
-    return {a for e in row.spec if e for a in ((e,) if isinstance(e, str) else e)}
+# Dimensions computed where they live though a batch axis splits them: experts (their tokens travel to them),
+# a pipeline's stages and a subnetwork worker's own part.
+_RESIDENT = (A.EXPERT, A.STAGE, A.WORKER)
 
 
-def _dim_axes(row: LeafLayout, dims: Iterable[int]) -> set[str]:
-    out: set[str] = set()
-    for d in dims:
-        e = row.spec[d] if d < len(row.spec) else None
-        if e:
-            out.update((e,) if isinstance(e, str) else e)
-    return out
+def gathered_axes(row: LeafLayout, batch_axes: Iterable[str]) -> set[str]:
+    """The batch axes a parameter must be gathered over before use: those splitting one of its dimensions
+    (FSDP, whichever plan part chose the split: an FSDP strategy, a logical rule such as ``("embed", "fsdp")``,
+    a path rule), except dimensions computed where they live (experts, pipeline stages, workers' parts).
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> rules = spmd.Plan.from_logical_rules([("expert", "data"), ("embed", "fsdp")])
+    >>> plan = rules + spmd.Plan(batch_axes=("data", "fsdp"))
+    >>> wi = nn.LogicallyPartitioned(np.zeros((4, 8, 16)), ("expert", "embed", "mlp"))
+    >>> row, = plan.resolve({"wi": wi}, {"data": 2, "fsdp": 2}).leaves
+    >>> row.spec, gathered_axes(row, plan.batch_axes)  # the experts stay where they are; embed is gathered
+    (P('data', 'fsdp', None), {'fsdp'})
+    """
+    names = row.names or (None,) * len(row.shape)
+    resident = [d for d, name in enumerate(names) if name in _RESIDENT]
+    return (_axes(row) - _dim_axes(row, resident)) & set(batch_axes)
 
 
-# Leading dimensions that stack layers: ``layers`` (a scan), and a pipeline's ``[stage, chunk, layers]``, whose
-# ``stage`` dimension is split over the pipeline axis (one entry per device).
-STACKING = A.STACKING
+def token_lookup(rows: Iterable[LeafLayout], batch_axes: Iterable[str]) -> tuple[Matmul | None, set[str]]:
+    """The token embedding (the largest lookup table) when batch axes split its width but not its rows, with those
+    axes: XLA then looks the tokens up in the local columns and exchanges the activations by all-to-all (forward
+    and backward) rather than gathering the table, and the table's gradient stays where it lives.
 
-
-def _stacked(row: LeafLayout) -> int:
-    """How many layers of a stacked parameter one device runs (its leading stacking dimensions), else 1."""
-    depth = 1
-    for name, size in zip(row.names or (), row.shape, strict=False):
-        if name not in STACKING:
-            break
-        depth *= 1 if name == A.STAGE else size
-    return depth
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> plan = spmd.Plan.from_logical_rules([("embed", "fsdp")]) + spmd.Plan(batch_axes=("fsdp",))
+    >>> table = nn.LogicallyPartitioned(np.zeros((256, 64)), ("vocab", "embed"))
+    >>> m, axes = token_lookup(plan.resolve({"embed": {"embedding": table}}, {"fsdp": 8}).leaves, plan.batch_axes)
+    >>> m.row.path, axes
+    ('embed/embedding', {'fsdp'})
+    """
+    tables = [m for m in matmuls(rows) if m.lookup]
+    if not tables:
+        return None, set()
+    m = max(tables, key=lambda m: m.row.shape[m.in_dims[0]])
+    split = gathered_axes(m.row, batch_axes)
+    if not split or _dim_axes(m.row, m.in_dims) & split:
+        return None, set()
+    return m, split
 
 
 def data_parallel_traffic(
@@ -208,9 +237,11 @@ def data_parallel_traffic(
     """Collective traffic per step of the gradient reductions and parameter gathers the layouts imply.
 
     For each parameter, with ``local`` its bytes per device:
-    - batch axes that split the parameter (FSDP, set F of size nF): all-gather the full-over-F buffer before use
-      ((nF−1)·local, once, or twice with ``plan.remat`` — embedding tables, named ``.../embedding``, once), and
-      reduce-scatter its gradient ((nF−1)·local);
+    - batch axes that split the parameter (FSDP, set F of size nF, whichever plan part split it: see
+      :func:`gathered_axes`): all-gather the full-over-F buffer before use ((nF−1)·local, once, or twice with
+      ``plan.remat`` or in stacked layers, whose backward loop gathers its slice again — embedding tables, named
+      ``.../embedding``, once), and reduce-scatter its gradient ((nF−1)·local); the token embedding split along
+      its width only is not gathered at all (see :func:`token_lookup`);
     - batch axes over which the gradient is split but the parameter not (ZeRO-2, set E): reduce-scatter the
       gradient over E, then all-gather the updated shards ((nE−1)/nE · full each);
     - batch axes over which only the optimizer state is split (ZeRO-1, set E): all-reduce the gradient, then
@@ -230,30 +261,25 @@ def data_parallel_traffic(
     """
     sizes = dict(mesh_shape)
     batch = set(plan.batch_axes)
-    # Only splits made by an FSDP part are gathered before use; a dimension split by a rule (e.g. experts over
-    # the expert axis) is computed where it lives.
-    gathered_by = {part.source for part in plan.parts if isinstance(part, ShardLargest)}
     totals = _Totals(sizes)
+    table, _ = token_lookup(layout.params.leaves, batch)
 
     for p, g, m in zip(layout.params.leaves, layout.grads.leaves, layout.moments.leaves, strict=True):
         local = p.bytes_per_device
         p_axes, g_axes = _axes(p), _axes(g)
-        fsdp = {
-            a
-            for e, src in zip(p.spec, p.sources, strict=True)
-            if e and src in gathered_by
-            for a in ((e,) if isinstance(e, str) else e)
-        } & batch
+        fsdp = gathered_axes(p, batch) if table is None or p.path != table.row.path else set()
         n_fsdp = math.prod(sizes[a] for a in fsdp)
         zero2 = (g_axes - p_axes) & batch
         zero1 = ((_axes(m) - p_axes) & batch) - zero2
         rest = batch - p_axes - zero2
-        layers = _stacked(p)
+        layers = stacked(p)
         staged = stage_uses is not None and bool(p.names) and p.names[0] == A.STAGE
         if fsdp:
-            # Rematerialised layers use their weights again in the backward pass, so FSDP gathers them twice; an
-            # embedding table is gathered once, since the gradient of a lookup does not need the table.
-            times = 2 if plan.remat and not p.path.endswith("embedding") else 1
+            # Rematerialised layers use their weights again in the backward pass, and a scan's backward loop
+            # gathers its slice of the stored shards afresh rather than keep every layer's gathered weights, so
+            # FSDP gathers them twice; an embedding table is gathered once, since the gradient of a lookup does
+            # not need the table.
+            times = 2 if (plan.remat or layers > 1) and not p.path.endswith("embedding") else 1
             times = stage_uses[0] if staged else times
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
@@ -313,80 +339,6 @@ def subnet_traffic(summary: Mapping[str, Any], axis: str, *, masking: str) -> li
 
 
 # ------------------------------------------------------------------------------------------------- matmuls
-@dataclasses.dataclass(frozen=True)
-class Matmul:
-    """A weight read as a matmul: which of its dimensions are contracted with the input, which are the output.
-
-    ``tokens`` is how many rows it multiplies per device per layer; ``experts`` the size of a leading expert
-    dimension (a batch of independent matmuls), else 0.
-
-    >>> import strategies, numpy as np
-    >>> from flax import linen as nn
-    >>> wi = nn.LogicallyPartitioned(np.zeros((8, 32), np.float32), ("embed", "mlp"))
-    >>> m, = matmuls(strategies.tensor_parallel(axis="tensor").resolve({"wi": {"kernel": wi}}, {"tensor": 4}).leaves)
-    >>> m.parent, m.in_dims, m.out_dims, m.local(m.out_dims, {"tensor"}, {"tensor": 4})  # 32 outputs over 4
-    ('wi', (0,), (1,), 8)
-    """
-
-    row: LeafLayout
-    layers: int
-    in_dims: tuple[int, ...]
-    out_dims: tuple[int, ...]
-    experts: int = 0
-    lookup: bool = False  # an embedding table: a gather, with no input gradient
-
-    def local(self, dims: tuple[int, ...], model_axes: set[str], sizes: Mapping[str, int]) -> int:
-        """Elements of ``dims`` one device holds when only the model axes (not the batch axes) split them."""
-        full = math.prod(self.row.shape[d] for d in dims)
-        return full // math.prod(sizes[a] for a in _dim_axes(self.row, dims) & model_axes)
-
-    @property
-    def parent(self) -> str:
-        return self.row.path.rsplit("/", 2)[0] if self.row.path.endswith("/kernel") else self.row.path
-
-
-def matmuls(rows: Iterable[LeafLayout]) -> list[Matmul]:
-    """The parameters that act as matmul weights, with their input and output dimensions.
-
-    Annotated weights (flax logical names) touch the residual stream ``embed`` on one side: ``embed`` first
-    (``(embed, heads, head_dim)``, ``(embed, mlp)``, ``(embed, vocab)``) reads it, ``embed`` last writes it;
-    a leading ``layers`` dimension stacks layers and an ``expert`` dimension batches experts. Unannotated 2-D
-    kernels are ``[in, out]``. Vectors (biases, norm scales) and shapes that fit neither are not matmuls.
-
-    >>> import spmd, numpy as np
-    >>> from flax import linen as nn
-    >>> wi = nn.LogicallyPartitioned(np.zeros((2, 8, 32), np.float32), ("layers", "embed", "mlp"))
-    >>> m, = matmuls(spmd.Plan().resolve({"wi": {"kernel": wi}}).leaves)
-    >>> m.layers, m.in_dims, m.out_dims
-    (2, (1,), (2,))
-    """
-    out = []
-    for row in rows:
-        names = list(row.names) if row.names else [None] * len(row.shape)
-        dims = list(range(len(row.shape)))
-        layers = _stacked(row)
-        while dims and names[dims[0]] in STACKING:
-            dims = dims[1:]
-        experts = 0
-        if dims and names[dims[0]] == A.EXPERT:
-            experts, dims = row.shape[dims[0]], dims[1:]
-        if len(dims) < 2:
-            continue
-        lookup = row.path.endswith("embedding")
-        if row.names is None:
-            if len(dims) != 2:
-                continue
-            in_dims, out_dims = (dims[0],), (dims[1],)
-        elif names[dims[0]] == A.EMBED:
-            in_dims, out_dims = (dims[0],), tuple(dims[1:])
-        elif names[dims[-1]] == A.EMBED:
-            in_dims, out_dims = tuple(dims[:-1]), (dims[-1],)
-        else:
-            continue
-        out.append(Matmul(row, layers, in_dims, out_dims, experts, lookup))
-    return out
-
-
 def _seq_axes(plan: Plan, mesh_shape: Mapping[str, int]) -> set[str]:
     """Mesh axes a sequence-parallel plan splits the residual stream's sequence over."""
     entries = assign_by_rules((A.BATCH, A.SEQ, A.EMBED), plan.logical_rules())
@@ -417,7 +369,8 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
 
     For every matmul (see :func:`matmuls`), with T its rows per device, over the model axes (those that are not
     batch axes): a split of its input dimensions over axes C all-reduces the output (T × local output) over C
-    in the forward pass (again in the backward pass with ``plan.remat``); a split of its output dimensions over
+    in the forward pass (again in the backward pass with ``plan.remat``, if its layer recomputes it:
+    :attr:`Matmul.recomputed`); a split of its output dimensions over
     axes O all-reduces the input gradient (T × local input) over O in the backward pass (not for embedding
     lookups). Under sequence parallelism each all-reduce over the sequence axes is a reduce-scatter plus an
     all-gather of the same buffer, and the parameters not split over those axes all-reduce their gradients over
@@ -448,18 +401,23 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
         else:
             totals.add("all-reduce", axes, buffer, count)
 
+    table, exchanged = token_lookup(layout.params.leaves, plan.batch_axes)
+    if table is not None:  # the looked-up tokens, full width, to the devices holding their batch and back
+        buffer = _tokens_per_device(plan, sizes, workload) * table.local(table.out_dims, model_axes, sizes)
+        totals.add("all-to-all", exchanged, 2 * buffer * workload.act_bytes, 2)
     for m in matmuls(layout.params.leaves):
         rows = _rows_of(m, plan, sizes, workload)
         contraction = _dim_axes(m.row, m.in_dims) & model_axes
         output = _dim_axes(m.row, m.out_dims) & model_axes
         if contraction:
             buffer = rows * m.local(m.out_dims, model_axes, sizes) * workload.act_bytes
-            all_reduce(contraction, forward_passes * m.layers * buffer, forward_passes * m.layers)
+            forwards = 1 + (plan.remat and m.recomputed)
+            all_reduce(contraction, forwards * m.layers * buffer, forwards * m.layers)
         if output and not m.lookup:
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
             all_reduce(output, m.layers * buffer, m.layers)
         expert_axes = _dim_axes(m.row, (m.row.names.index(A.EXPERT),)) if m.experts else set()
-        if expert_axes and m.row.names[m.in_dims[0]] == A.EMBED:  # once per MoE layer: at its first weight
+        if expert_axes and m.reads_residual:  # once per MoE layer: at its first weight
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
             passes = 2 * forward_passes + 2  # dispatch and return, forward (twice with remat) and backward
             totals.add("all-to-all", expert_axes, passes * m.layers * buffer, passes * m.layers)
@@ -514,21 +472,12 @@ def merge_traffic(parts: Iterable[Traffic]) -> list[Traffic]:
 
 
 # ------------------------------------------------------------------------------------------------- compute, memory
-def _attention_parents(ms: list[Matmul]) -> dict[str, Matmul]:
-    """One projection per attention module: the first weight whose output is ``(heads, head_dim)``."""
-    found: dict[str, Matmul] = {}
-    for m in ms:
-        out_names = tuple(m.row.names[d] for d in m.out_dims) if m.row.names else ()
-        if out_names == (A.HEADS, A.HEAD_DIM):
-            found.setdefault(m.parent, m)
-    return found
-
-
 def flops_per_device(
     params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
 ) -> float:
     """FLOPs one device computes per training step: matmuls (forward 2·T·in·out, backward twice that, the
-    forward again under remat) and attention's two ``seq × seq`` products per head. Embedding lookups are free.
+    forward again under remat for those a layer recomputes, see :attr:`Matmul.recomputed`) and attention's two
+    ``seq × seq`` products per head. Embedding lookups are free.
 
     >>> import spmd, numpy as np
     >>> from flax import linen as nn
@@ -540,7 +489,6 @@ def flops_per_device(
     """
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
-    passes = 4 if plan.remat else 3  # forward, input gradient, weight gradient (+ recomputed forward)
     ms = matmuls(params)
     total = 0.0
     for m in ms:
@@ -549,10 +497,12 @@ def flops_per_device(
         rows = _rows_of(m, plan, sizes, workload)
         ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.in_dims + m.out_dims) & model_axes)
         full = math.prod(m.row.shape[d] for d in m.in_dims + m.out_dims)
+        passes = 3 + (plan.remat and m.recomputed)  # forward, input and weight gradients (+ recomputed forward)
         total += passes * 2 * rows * full * m.layers / ways
     tokens = _tokens_per_device(plan, sizes, workload)
-    for m in _attention_parents(ms).values():
+    for m in attention_parents(ms).values():
         width = m.local(m.out_dims, model_axes, sizes)
+        passes = 3 + plan.remat  # scores and their product with the values, recomputed with the layer
         total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
     return total
 
@@ -613,15 +563,15 @@ def activation_bytes(
         rows = _rows_of(m, plan, sizes, workload)
         names = tuple(m.row.names[d] for d in m.in_dims) if m.row.names else m.in_dims
         elements = rows * m.local(m.out_dims, model_axes, sizes)
-        if m.row.names and A.VOCAB in (m.row.names[d] for d in m.out_dims):
+        if m.logits:
             elements *= 3  # the logits, their softmax and its gradient are live together in the loss
         if (m.parent, names) not in inputs_seen:
             inputs_seen.add((m.parent, names))
             elements += rows * m.local(m.in_dims, model_axes, sizes)
         per_layer[m.layers] = per_layer.get(m.layers, 0.0) + elements
-        if m.row.names and m.row.names[m.in_dims[0]] == A.EMBED and m.layers > 1:
+        if m.reads_residual and m.layers > 1:
             residual[m.layers] = tokens * m.local(m.in_dims, model_axes, sizes) / seq_ways
-    for m in _attention_parents(ms).values():
+    for m in attention_parents(ms).values():
         heads_ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.out_dims[:1]) & model_axes)
         heads = m.row.shape[m.out_dims[0]] // heads_ways
         per_layer[m.layers] = per_layer.get(m.layers, 0.0) + tokens * workload.seq_len * heads
