@@ -9,8 +9,8 @@ import pytest
 import spmd
 import strategies
 from spmd import costmodel, data, models
+from spmd._hlo import matmul_flops
 from spmd._matmuls import attention_parents
-from tests._compiled_flops import matmul_flops
 from tests._named_models import MAXTEXT, MAXTEXT_RULES, PENZAI, PENZAI_RULES, abstract, named_lm, named_mlp
 
 BATCH = 16
