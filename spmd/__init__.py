@@ -16,6 +16,7 @@ P('data', None)
 from spmd import axes, collectives, costmodel, devices, execution, pipeline, rules
 from spmd._checkpoint import CheckpointError, Checkpoints, ModelLayout
 from spmd._context import activate, constrain
+from spmd._create import create
 from spmd._devices import emulate_devices
 from spmd._feed import global_batch
 from spmd._format import format_bytes
@@ -46,6 +47,7 @@ __all__ = [
     "axes",
     "collectives",
     "constrain",
+    "create",
     "costmodel",
     "devices",
     "emulate_devices",

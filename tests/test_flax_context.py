@@ -203,3 +203,32 @@ def test_the_command_line_plans_an_nnx_model_under_its_mesh(capsys):
         capsys, "plan", "--model", "gpt-tiny-nnx", "--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"
     )
     assert code == 0, err
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_create_lays_out_every_part_of_the_plan_fsdp_included(explicit):
+    mesh, tx = _mesh(explicit), optax.adam(1e-3)
+    plan = strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()
+
+    def build():
+        model = NnxBlock(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    with spmd.activate(plan, mesh):  # the plan and mesh by default
+        model, optimizer = spmd.create(build)
+    kernel, moment = model.up.kernel[...], optimizer.opt_state[0].mu["up"]["kernel"][...]
+    # tensor_parallel's logical rule splits mlp; fsdp, which names no logical axis, splits the other dimension.
+    assert kernel.sharding.spec == moment.sharding.spec == P("fsdp", "tensor")
+    assert kernel.sharding.mesh.axis_types == mesh.axis_types
+    with nnx.use_eager_sharding(False):
+        whole, _ = build()
+    np.testing.assert_array_equal(np.asarray(kernel), np.asarray(whole.up.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(model.down.bias[...]), np.asarray(whole.down.bias[...]))
+
+
+def test_create_says_what_it_needs():
+    with pytest.raises(ValueError, match=r"give plan= and mesh=, or call it under spmd.activate"):
+        spmd.create(lambda: NnxBlock(nnx.Rngs(0)))
+    blocks = strategies.fsdp(min_bytes=0, block=12)
+    with pytest.raises(spmd.PlanError, match=r"spmd.create: the plan pads .* train it with spmd.TrainStep"):
+        spmd.create(lambda: NnxBlock(nnx.Rngs(0)), blocks, spmd.make_mesh({"fsdp": 8}))
