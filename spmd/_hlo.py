@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-__all__ = ["Collective", "collectives", "matmul_flops"]
+__all__ = ["Collective", "collectives", "matmul_flops", "num_devices"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -178,7 +178,7 @@ def collectives(
     computations, entry = _parse_module(hlo_text)
     if entry is None:
         return []
-    num_devices = _num_devices(hlo_text)
+    devices = num_devices(hlo_text)
     multiplier = _multipliers(computations, entry, branch_weights or {})
 
     flow = _Dataflow(computations)
@@ -187,7 +187,7 @@ def collectives(
         instrs = computations[comp_name]
         shapes = {i.name: i.shape for i in instrs}
         for instr in instrs:
-            op = _describe(instr, shapes, num_devices, mesh)
+            op = _describe(instr, shapes, devices, mesh)
             if op is None:
                 continue
             kind, (axes, spans), n, size = op
@@ -222,8 +222,9 @@ def _traffic_factor(kind: str, n: int) -> float:
 _CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,\s]*)\}")
 
 
-def matmul_flops(hlo_text: str) -> float:
-    """Matmul FLOPs of one run of the program ``hlo_text`` (``compiled.as_text()``), per device.
+def matmul_flops(hlo_text: str, *, branch_weights: Mapping[str, Sequence[float]] | None = None) -> float:
+    """Matmul FLOPs of one run of the program ``hlo_text`` (``compiled.as_text()``), per device; loops weighted
+    by their trip counts and switch branches by ``branch_weights``, as :func:`collectives` weighs them.
 
     >>> import jax, jax.numpy as jnp
     >>> f = jax.jit(lambda a, b: jax.lax.fori_loop(0, 3, lambda i, x: x @ b, a))
@@ -234,7 +235,7 @@ def matmul_flops(hlo_text: str) -> float:
     if entry is None:
         return 0.0
     total = 0.0
-    for name, times in _multipliers(computations, entry, {}).items():
+    for name, times in _multipliers(computations, entry, branch_weights or {}).items():
         instrs = computations[name]
         shapes = {i.name: i.shape for i in instrs}
         for instr in instrs:
@@ -313,7 +314,13 @@ def _matching(text: str, open_at: int) -> int:
     return len(text) - 1
 
 
-def _num_devices(text: str) -> int:
+def num_devices(text: str) -> int:
+    """How many devices the compiled program ``text`` runs on: its partitions times its replicas.
+
+    >>> import jax, jax.numpy as jnp
+    >>> num_devices(jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile().as_text())
+    1
+    """
     header = text[: text.find("\n")] if "\n" in text else text
     partitions = re.search(r"\bnum_partitions=(\d+)", header)
     replicas = re.search(r"\breplica_count=(\d+)", header)

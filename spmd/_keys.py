@@ -48,7 +48,8 @@ class StepKey(NamedTuple):
 
 def named(loss: Callable) -> tuple[frozenset[str], frozenset[str]]:
     """Which of ``key`` and ``step`` the loss takes as keywords, and which of those it requires (no default).
-    A loss taking ``**kwargs`` takes both; one whose signature cannot be read takes neither.
+    Only keywords the loss names count: one taking ``**kwargs`` (which may forward them to ``model.apply``)
+    or whose signature cannot be read takes neither, and is called exactly as before.
 
     >>> takes, requires = named(lambda p, b, *, key, step=0: 0.0)
     >>> sorted(takes), sorted(requires)
@@ -58,8 +59,6 @@ def named(loss: Callable) -> tuple[frozenset[str], frozenset[str]]:
         parameters = inspect.signature(loss).parameters.values()
     except (TypeError, ValueError):
         return frozenset(), frozenset()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return frozenset(KEYWORDS), frozenset()
     keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     takes = [p for p in parameters if p.name in KEYWORDS and p.kind in keyword]
     return frozenset(p.name for p in takes), frozenset(p.name for p in takes if p.default is p.empty)

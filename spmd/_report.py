@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import re
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ from rich.console import Console, Group
 from spmd import costmodel
 from spmd._executor import Summary
 from spmd._format import format_bytes
-from spmd._hlo import Collective, collectives, matmul_flops
+from spmd._hlo import Collective, collectives, matmul_flops, num_devices
 from spmd._layout import LeafLayout, StateLayout, resolve_state
 from spmd._plan import Plan
 from spmd._report_tables import tables
@@ -258,8 +257,8 @@ def _report_program(
             f"spmd.report: optimizer= takes an optax transformation (or an nnx.Optimizer); got {type(tx).__name__}"
         )
     compiled, jaxpr = _compiled(program)
-    devices = _hlo_devices(compiled.as_text())
-    if devices not in (1, mesh.size):
+    devices = num_devices(compiled.as_text())
+    if devices != mesh.size:
         raise ValueError(
             f"spmd.report: the program runs on {devices} devices and the mesh {dict(mesh.shape)} has {mesh.size}; "
             "pass the mesh the program was jitted over"
@@ -319,11 +318,6 @@ def _compiled(program: Any) -> tuple[jax.stages.Compiled, Any]:
     )
 
 
-def _hlo_devices(text: str) -> int:
-    found = re.search(r"\bnum_partitions=(\d+)", text.split("\n", 1)[0])
-    return int(found.group(1)) if found else 1
-
-
 @dataclasses.dataclass(frozen=True)
 class _Side:
     """What the plan asked, where it is known: the training state's layout and what the execution adds."""
@@ -363,7 +357,7 @@ def _join(
         analytic_collectives=(),
         warnings=(),
         flops_per_device=None,
-        compiled_flops=matmul_flops(text),
+        compiled_flops=matmul_flops(text, branch_weights=branch_weights),
         execution=execution,
         layout_known=side is not None,
     )

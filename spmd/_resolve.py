@@ -338,10 +338,11 @@ def idle_axes(plan: Plan, layout: Any, mesh: Any) -> dict[str, list[str]]:
     """
     sizes = sizes_of(mesh)
     by_source = plan.axes_by_source()
-    for part in plan.all_parts:  # a part that says itself when it splits nothing (tensor_parallel) is not repeated
-        if getattr(part, "reports_idle", False):
-            by_source.pop(part.source, None)
+    # A part that says itself when it splits nothing (tensor_parallel) has its axes said once, by it: not again
+    # for another part on the same axis (sequence_parallel's activation rules).
+    reported = {a for part in plan.all_parts if getattr(part, "reports_idle", False) for a in part.axes()}
     elsewhere = set(plan.batch_axes) | (set(plan.execution.axes()) if plan.execution is not None else set())
+    elsewhere |= reported
     rows = [*layout.params.leaves, *layout.grads.leaves, *layout.opt_state.leaves]
     splitting = {a for r in rows for e in r.spec if e for a in ((e,) if isinstance(e, str) else e)}
     idle: dict[str, list[str]] = {}

@@ -127,7 +127,8 @@ class Part(Protocol):
       contributes to activations (flax's rule context and :func:`spmd.constrain`);
     - ``unused(hits)``: one message per rule of its own that no array matched (an error under a strict plan);
     - ``advice(hits)``: what else it could not do as asked (a warning even under a strict plan: e.g. tensor
-      parallelism splitting nothing); a part whose advice says when it splits nothing sets ``reports_idle``;
+      parallelism splitting nothing); a part whose advice says when it splits nothing sets ``reports_idle``
+      (optional, False when absent: the idle-axis check then leaves its axes to it);
     - ``describe()``: a few words.
 
     The plan resolves an array in two phases. First every rule part (``after_rules`` False) proposes for every
@@ -184,6 +185,7 @@ class PathRules:
     report_unused: bool = True
     roles: ClassVar[tuple[str, ...]] = ROLES
     after_rules: ClassVar[bool] = False
+    reports_idle: ClassVar[bool] = False
 
     @classmethod
     def parse(
@@ -256,6 +258,7 @@ class LogicalRules:
     report_unused: bool = True
     roles: ClassVar[tuple[str, ...]] = ROLES
     after_rules: ClassVar[bool] = False
+    reports_idle: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, rules: Sequence[tuple[str, Any]], source: str = "logical rules") -> LogicalRules:
@@ -414,6 +417,7 @@ class ShardLargest:
     block: int = 1
     paths: tuple[str, ...] = ()
     after_rules: ClassVar[bool] = True
+    reports_idle: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.block < 1:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 from spmd import axes as names
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
-from spmd._keys import StepKey, call_loss
+from spmd._keys import StepKey, call_loss, named
 from spmd._rules import PlanError
 from spmd._tree import is_box, key_name
 from spmd.costmodel import Contribution, Workload, subnet_traffic
@@ -396,10 +396,13 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
             "narrow=lambda kept: loss of the model narrowed to kept (spmd.models.narrowed does it for the "
             "built-in GPTs), or use masking='backward'"
         )
+    keyed = True
     if spec.masking == "forward":
-        task.narrow({})  # narrowed to nothing: the whole model; says first if the model cannot be narrowed at all
+        # Narrowed to nothing: the whole model; says first if the model cannot be narrowed at all. The workers run
+        # the narrowed losses: they take the key only if those name it, else a drawing loss is refused.
+        keyed = named(task.narrow({}))[0] >= named(task.loss)[0]
     engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params)
-    shared = {"costs": engine.costs, "summary": engine.summary, "keyed": True, "engine": engine}
+    shared = {"costs": engine.costs, "summary": engine.summary, "keyed": keyed, "engine": engine}
     if spec.masking == "forward":
         return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **shared)
     return Executor(engine.backward_value_and_grad, to_trained=engine.own, from_trained=engine.rebuild, **shared)

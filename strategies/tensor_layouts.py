@@ -112,7 +112,15 @@ class TensorParallelRules:
             return None if leaf.names is not None else self._by_layout(leaf)
         entries = _merged(leaf, logical, ruled)
         hits = tuple(("rule", i) for i in (ruled.hits if ruled else ())) + ((_SPLIT,) if any(entries) else ())
-        return Proposal(entries, hits=hits, covers=any(p is not None and p.covers for p in (logical, ruled)))
+        return Proposal(
+            entries, hits=hits + self._role(leaf), covers=any(p is not None and p.covers for p in (logical, ruled))
+        )
+
+    def _role(self, leaf: Any) -> tuple[tuple, ...]:
+        """The layout role of a layer a user rule laid out: a row layer given by rule is a column's partner."""
+        *layer, kind = leaf.keys
+        found = _classify("/" + "/".join(layer)) if leaf.names is None and kind in ("kernel", "bias") else None
+        return () if found is None else ((found[1], found[0], found[2], "/".join(layer)),)
 
     def _by_layout(self, leaf: Any) -> Proposal | None:
         *layer, kind = leaf.keys

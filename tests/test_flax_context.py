@@ -2,6 +2,8 @@
 models are created laid out, and a model's own constraints (flax's logical ones, bare PartitionSpecs) act in
 spmd's step, in its initialiser and in ``models.from_module``."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,10 +201,11 @@ def test_an_nnx_model_with_names_no_rule_maps_trains_under_fsdp():
 def test_the_command_line_plans_an_nnx_model_under_its_mesh(capsys):
     from tests.conftest import run_cli
 
-    code, out, err = run_cli(
-        capsys, "plan", "--model", "gpt-tiny-nnx", "--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp"
-    )
+    args = ["plan", "--model", "gpt-tiny-nnx", "--mesh", "fsdp=4,tensor=2", "--strategy", "fsdp+tp", "--json"]
+    code, out, err = run_cli(capsys, *args)
     assert code == 0, err
+    specs = [tuple(row["spec"]) for row in json.loads(out)["params"]]
+    assert any("tensor" in spec for spec in specs) and any("fsdp" in spec for spec in specs)
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])

@@ -147,6 +147,29 @@ def test_randomness_mistakes_are_explained():
         spmd.TrainStep(loss_fn, optax.sgd(0.1), spmd.Plan(), mesh, params=PARAMS, seed=0.5)
 
 
+def test_a_loss_forwarding_its_keyword_arguments_is_called_as_before():
+    # **kwargs may be forwarded to model.apply: only a loss that names key or step is given them.
+    seen = []
+
+    def forwarding(p, b, **kw):
+        seen.append(sorted(kw))
+        return jnp.mean(MODEL.apply(p, b["x"], deterministic=True, **kw))
+
+    step = spmd.TrainStep(forwarding, optax.sgd(0.1), spmd.Plan(), one_device(), params=PARAMS)
+    state, loss = step(step.init(init, jax.random.key(0)), BATCH)
+    assert seen and all(names == [] for names in seen) and np.isfinite(float(loss))
+
+
+def test_forward_masking_refuses_a_drawing_loss_its_narrowed_losses_cannot_take():
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    drawing = lambda p, b, *, key, step: models.loss_fn(model)(p, b)  # noqa: E731
+    narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731 -- takes no key
+    plan = strategies.subnetwork_dp(coverage=0.5, masking="forward")
+    with pytest.raises(TypeError, match=r"does not call loss_fn with them \(its executor is not keyed"):
+        spmd.TrainStep(drawing, optax.sgd(0.1), plan, spmd.make_mesh({"data": 8}), params=params, narrow=narrow, seed=0)
+
+
 def test_a_pipeline_refuses_a_loss_that_draws():
     model = models.get("gpt-tiny", layers=2)
     params = jax.eval_shape(model.init, jax.random.key(0))

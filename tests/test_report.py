@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import spmd
 import strategies
 from spmd import data, models
+from spmd._hlo import matmul_flops
 
 BATCH = 16
 
@@ -280,3 +281,21 @@ def test_an_illegal_call_is_a_clear_error(lookup):
         spmd.report(lowered, plan=lookup.plan, mesh=four)
     with pytest.raises(TypeError, match="optimizer= takes an optax transformation"):
         spmd.report(lowered, plan=lookup.plan, mesh=lookup.mesh, params=lookup.params, optimizer="adam")
+    # A program jitted without shardings runs on one device: not the 8-device plan's program.
+    alone = jax.jit(lookup.loss).lower(lookup.params, lookup.batch)
+    with pytest.raises(ValueError, match="the program runs on 1 devices and the mesh .* has 8"):
+        spmd.report(alone, plan=lookup.plan, mesh=lookup.mesh)
+
+
+def test_a_pipeline_counts_the_matmuls_of_the_branches_each_tick_runs():
+    # A pipeline's ticks switch between stage programs: counted as they run, not every branch on every tick.
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = data.batch(0, 0, 8, model.config.seq_len, model.config.vocab)
+    mesh = spmd.make_mesh({"stage": 2}, devices=jax.devices()[:2])
+    plan = strategies.pipeline("gpipe", stages=2, microbatches=2)
+    step = spmd.TrainStep(models.loss_fn(model), optax.sgd(0.1), plan, mesh, params=params, staged=model.staged)
+    r = spmd.report(step, batch)
+    every_branch = matmul_flops(step.compile(batch).as_text())
+    # Each of the 3 ticks runs one stage (or idles) per device: at most half the model's work per microbatch.
+    assert r.flops_per_device <= r.compiled_flops <= 1.5 * r.flops_per_device < every_branch

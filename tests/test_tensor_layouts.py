@@ -58,6 +58,15 @@ def test_a_column_layer_without_its_row_partner_is_said_once():
     assert alone[0] in step.layout.params.advice  # and the report lists it
 
 
+def test_a_row_partner_laid_out_by_a_rule_is_a_partner():
+    tree = {"attn": {"q_proj": {"kernel": np.zeros((8, 32))}, "o_proj": {"kernel": np.zeros((32, 8))}}}
+    plan = strategies.tensor_parallel(rules=[(r"o_proj/kernel$", ("tensor", None))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spmd.PlanWarning)
+        specs = plan.specs(tree, {"tensor": 2})
+    assert specs["attn"] == {"o_proj": {"kernel": P("tensor", None)}, "q_proj": {"kernel": P(None, "tensor")}}
+
+
 def test_tensor_parallel_rules_that_contradict_the_logical_names_are_an_error():
     from flax import linen as nn
 
@@ -65,3 +74,16 @@ def test_tensor_parallel_rules_that_contradict_the_logical_names_are_an_error():
     plan = strategies.tensor_parallel(rules=[(r"wi$", (None, "other"))])
     with pytest.raises(spmd.PlanError, match=r"wi \(8, 32\): tensor_parallel's logical rules put dimension 1 on"):
         plan.specs({"wi": wi}, {"tensor": 2, "other": 2})
+
+
+def test_sequence_parallel_splitting_nothing_is_said_once():
+    params = {"blocks": {"mix": {"kernel": jax.ShapeDtypeStruct((64, 256), "float32")}}}
+    loss = lambda p, b: jnp.sum(b["x"] @ p["blocks"]["mix"]["kernel"])  # noqa: E731
+    mesh = spmd.make_mesh({"data": 4, "tensor": 2})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", spmd.PlanWarning)
+        plan = strategies.data_parallel() + strategies.sequence_parallel()
+        spmd.TrainStep(loss, optax.sgd(0.1), plan, mesh, params=params)
+    said = [str(w.message) for w in seen]
+    assert sum("tensor_parallel splits nothing" in m for m in said) == 1, said
+    assert not any("mesh axis 'tensor' (2 devices) splits no parameter" in m for m in said), said
