@@ -27,7 +27,7 @@ from spmd._layout import LeafLayout, StateLayout, resolve_state
 from spmd._plan import Plan
 from spmd._report_tables import tables
 from spmd._resolve import idle_axes, idle_axes_text, unused_axes
-from spmd._rules import PlanError
+from spmd._rules import PlanError, is_activation_name
 from spmd._train import TrainStep, recomputes
 from spmd._tree import unbox
 from spmd.costmodel import StepTime, Traffic
@@ -93,6 +93,15 @@ class Report:
         and mesh: :meth:`vs_data_parallel` gives the ratios, and the tables a line comparing the two."""
         return dataclasses.replace(self, data_parallel=dataclasses.replace(baseline, data_parallel=None))
 
+    @property
+    def activation_rules(self) -> list[str]:
+        """The plan's logical rules for activation names (MaxText's ``activation_*``, ``seq``) that no parameter
+        names: they lay out the activations that model code constrains by those names (flax's
+        ``with_logical_constraint``, :func:`spmd.constrain`), and are not rules that matched nothing."""
+        named = {n for row in self.params for n in row.names or ()}
+        rules = [n for n, _ in self.plan.logical_rules() if n != "batch" and is_activation_name(n) and n not in named]
+        return list(dict.fromkeys(rules))
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``spmd plan --json``); an execution mode's figures appear under its kind
         (``pipeline``, ``subnet``)."""
@@ -100,6 +109,7 @@ class Report:
             "mesh": {"axes": self.mesh_axes, "devices": math.prod(self.mesh_axes.values())},
             "plan": self.plan.describe(),
             "notes": list(self.plan.notes),
+            "activation_rules": self.activation_rules,
             "params": [row.to_dict() for row in self.params],
             "per_device_bytes": self.per_device_bytes,
             "compiled_memory": self.compiled_memory,

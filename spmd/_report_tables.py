@@ -33,6 +33,13 @@ def tables(report: Report, *, max_rows: int = 40) -> Group:
     ones = [k for k, v in report.mesh_axes.items() if v == 1]
     if ones:  # a MaxText mesh names 12 axes, 9 of them of one device: they split nothing
         parts.append(f"note: {len(ones)} mesh axes of size 1 not shown ({', '.join(ones)})")
+    for_activations = report.activation_rules
+    if for_activations:  # MaxText's rules name dozens of activations: they match no parameter by design
+        shown = ", ".join(for_activations[:8]) + (", …" if len(for_activations) > 8 else "")
+        parts.append(
+            f"note: {len(for_activations)} logical rules name activations only, not parameters: {shown} (they lay "
+            "out the activations model code constrains by those names)"
+        )
     if report.execution is not None:
         parts.append(report.execution.text)
     if report.data_parallel is not None:

@@ -3,6 +3,7 @@ models are created laid out, and a model's own constraints (flax's logical ones,
 spmd's step, in its initialiser and in ``models.from_module``."""
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -235,3 +236,22 @@ def test_create_says_what_it_needs():
     blocks = strategies.fsdp(min_bytes=0, block=12)
     with pytest.raises(spmd.PlanError, match=r"spmd.create: the plan pads .* train it with spmd.TrainStep"):
         spmd.create(lambda: NnxBlock(nnx.Rngs(0)), blocks, spmd.make_mesh({"fsdp": 8}))
+
+
+def test_the_report_lists_rules_for_activations_as_such():
+    # MaxText-style: rules for the activation names the model constrains by, which no parameter has.
+    rules = spmd.Plan.from_logical_rules([("activation_batch", "fsdp"), ("activation_length", None), ("mlp", "tensor")])
+    plan = strategies.fsdp(min_bytes=0) + rules
+    model = OwnConstraints()
+    init = lambda rng: model.init(rng, jnp.ones((1, 16)))["params"]  # noqa: E731
+    with spmd.activate(plan, _mesh()):
+        params = jax.eval_shape(init, jax.random.key(0))
+    loss = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", spmd.PlanWarning)
+        step = spmd.TrainStep(loss, optax.sgd(0.1), plan, _mesh(), params=params)
+    assert not any("activation_" in str(w.message) for w in seen)
+    r = spmd.report(step, jnp.ones((8, 16)))
+    assert r.activation_rules == ["activation_batch", "activation_length"]
+    assert r.to_dict()["activation_rules"] == ["activation_batch", "activation_length"]
+    assert "note: 2 logical rules name activations only, not parameters: activation_batch, activation_length" in str(r)
