@@ -85,7 +85,11 @@ def test_parameters_split_over_a_batch_axis_by_a_path_rule_are_gathered():
 
 @pytest.mark.parametrize(
     "names,rules,remat",
-    [(MAXTEXT, MAXTEXT_RULES, False), (MAXTEXT, MAXTEXT_RULES, True), (PENZAI, PENZAI_RULES, False)],
+    [
+        (MAXTEXT, MAXTEXT_RULES, False),
+        pytest.param(MAXTEXT, MAXTEXT_RULES, True, marks=pytest.mark.slow),
+        pytest.param(PENZAI, PENZAI_RULES, False, marks=pytest.mark.slow),
+    ],
     ids=["maxtext", "maxtext-remat", "penzai"],
 )
 def test_maxtext_and_penzai_names_under_fsdp_and_tensor(names, rules, remat):

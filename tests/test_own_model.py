@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,6 +19,7 @@ def _section_blocks():
     return dict(re.findall(r"```(python|bash)\n(.*?)```", section, re.S))
 
 
+@pytest.mark.slow  # the spmd command in a subprocess, run and checked against one device: 15-45 s
 def test_the_readme_model_runs_as_written_and_equals_one_device(tmp_path):
     blocks = _section_blocks()
     (tmp_path / "mymodel.py").write_text(blocks["python"])

@@ -109,6 +109,7 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another(reference):
     assert train(spmd.Plan(), one_device(), seed=1)[0] != reference[0]
 
 
+@pytest.mark.slow
 def test_an_uneven_share_folds_in_the_index_of_its_microbatch():
     plan = strategies.hetero.uneven_data_parallel((8, 4, 4, 4, 4, 4, 2, 2), microbatch=2)
     (loss,), _ = train(plan, spmd.make_mesh({"data": 8}), seed=3, steps=1, lr=0.0)
@@ -180,6 +181,7 @@ def test_a_pipeline_refuses_a_loss_that_draws():
         spmd.TrainStep(drawing, optax.sgd(0.1), plan, mesh, params=params, staged=model.staged, seed=0)
 
 
+@pytest.mark.slow
 def test_a_run_restored_onto_another_plan_draws_what_the_straight_run_draws(tmp_path, reference):
     # The seed is the step's, not the state's: a checkpoint holds the step count, and that is all a key needs.
     saving = spmd.TrainStep(

@@ -288,6 +288,7 @@ def test_an_illegal_call_is_a_clear_error(lookup):
         spmd.report(alone, plan=lookup.plan, mesh=lookup.mesh)
 
 
+@pytest.mark.slow
 def test_a_pipeline_counts_the_matmuls_of_the_branches_each_tick_runs():
     # A pipeline's ticks switch between stage programs: counted as they run, not every branch on every tick.
     model = models.get("gpt-tiny", layers=2)

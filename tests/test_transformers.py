@@ -181,6 +181,7 @@ def _said_by_tensor_parallel(messages):
     return [m for m in messages if "tensor_parallel" in m]
 
 
+@pytest.mark.slow
 def test_llama_trains_under_fsdp_and_tensor_parallel_like_one_device():
     plan = strategies.fsdp(min_bytes=0) + strategies.tensor_parallel()
     state, step, said = _train_against_one_device("llama", plan, {"fsdp": 4, "tensor": 2})
@@ -193,6 +194,7 @@ def test_llama_trains_under_fsdp_and_tensor_parallel_like_one_device():
     assert _said_by_tensor_parallel(said) == []
 
 
+@pytest.mark.slow
 def test_bert_trains_under_fsdp_like_one_device():
     state, step, said = _train_against_one_device("bert", strategies.fsdp(min_bytes=0), {"fsdp": 8})
     specs = [x.sharding.spec for x in jax.tree.leaves(state.params)]
