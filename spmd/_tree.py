@@ -79,7 +79,9 @@ def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
     for path, x in flat:
         value = _value(x)
         shape = tuple(int(d) for d in np.shape(value))
-        dtype = np.dtype(getattr(value, "dtype", None) or np.result_type(value))
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # not a typed PRNG key (nnx.Rngs)
+            dtype = np.dtype(dtype or np.result_type(value))
         names = _names(x) if is_box(x) else None
         if names is not None and len(names) != len(shape):
             keys = "/".join(key_name(k) for k in path)
@@ -88,7 +90,7 @@ def leaves_with_paths(tree: Any) -> tuple[list[Leaf], Any]:
             Leaf(
                 keys=tuple(key_name(k) for k in path),
                 shape=shape,
-                dtype=dtype.name,
+                dtype=str(dtype),
                 nbytes=int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
                 names=names,
             )

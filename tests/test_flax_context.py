@@ -255,3 +255,23 @@ def test_the_report_lists_rules_for_activations_as_such():
     assert r.activation_rules == ["activation_batch", "activation_length"]
     assert r.to_dict()["activation_rules"] == ["activation_batch", "activation_length"]
     assert "note: 2 logical rules name activations only, not parameters: activation_batch, activation_length" in str(r)
+
+
+def test_create_keeps_a_module_s_own_random_keys():
+    # nnx.Dropout keeps an nnx.Rngs stream: typed PRNG keys are state too, replicated.
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 64, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    model = spmd.create(
+        lambda: Noisy(nnx.Rngs(0, dropout=1)), strategies.fsdp(min_bytes=0), spmd.make_mesh({"fsdp": 8})
+    )
+    assert model.lin.kernel[...].sharding.spec == P(None, "fsdp")
+    with nnx.use_eager_sharding(False):
+        whole = Noisy(nnx.Rngs(0, dropout=1))
+    # The same masks (the same zeros), the sharded matmul's rounding aside.
+    np.testing.assert_allclose(np.asarray(model(jnp.ones((8, 16)))), np.asarray(whole(jnp.ones((8, 16)))), atol=1e-5)
