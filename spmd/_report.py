@@ -80,6 +80,7 @@ class Report:
     activation_note: str = "activations kept for backward"
     data_parallel: Report | None = None
     compiled_flops: float | None = None  # matmul FLOPs per device per step, read from the compiled HLO
+    model_flops: float | None = None  # 6·N·T per device per step (costmodel.model_flops over the devices)
     layout_known: bool = True  # False: a step of your own reported without params= (see :func:`report`)
 
     @property
@@ -119,6 +120,7 @@ class Report:
             "analytic_memory": self.analytic_memory,
             "flops_per_device": self.flops_per_device,
             "compiled_flops_per_device": self.compiled_flops,
+            "model_flops_per_device": self.model_flops,
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "execution": None if self.execution is None else self.execution.kind,
         }
@@ -377,6 +379,8 @@ def _join(
         hw = hardware or costmodel.detect(device.device_kind, device.platform)
         estimate = costmodel.estimate_layout(side.layout, plan, mesh.shape, workload, hw, side.costs)
         out = _with_estimate(out, estimate, side, batch, known)
+        if known:
+            out = dataclasses.replace(out, model_flops=costmodel.model_flops(out.params, workload) / mesh.size)
         warned += _warnings(asked, side.layout, mesh, inventory, estimate, compiled_memory, out.analytic_memory, known)
     return dataclasses.replace(out, warnings=tuple(warned))
 

@@ -104,7 +104,8 @@ def _collectives(report: Report) -> Table:
     only = " (parameters only: the workload is unknown)" if report.flops_per_device is None else ""
     table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}{only}"
     if report.compiled_flops is not None:
-        table.caption += f"; matmul FLOPs per device: compiled {report.compiled_flops:.3g}, analytic " + (
+        model = f" ({report.compiled_flops / report.model_flops:.2f}× 6·N·T)" if report.model_flops else ""
+        table.caption += f"; matmul FLOPs per device: compiled {report.compiled_flops:.3g}{model}, analytic " + (
             "unknown" if report.flops_per_device is None else f"{report.flops_per_device:.3g}"
         )
     if report.modelled_step_time is not None:

@@ -60,6 +60,16 @@ def test_fsdp_gathers_every_parameter(mlp):
     assert all(c.axes == ("fsdp",) for c in gathers)
 
 
+def test_the_compiled_matmul_flops_stand_next_to_the_models_6nt(mlp):
+    r = _report(mlp, "dp", {"data": 8})
+    kernels = sum(np.prod(row.shape) for row in r.params if row.path.endswith("/kernel"))  # all but the embedding
+    tokens = BATCH * mlp.config.seq_len
+    assert r.model_flops == 6 * kernels * tokens / 8
+    assert r.compiled_flops == r.model_flops  # no attention, no recompute: the program does 6·N·T, all of it
+    assert r.to_dict()["model_flops_per_device"] == r.model_flops
+    assert "(1.00× 6·N·T)" in re.sub(r"\s+", " ", str(r))
+
+
 def test_collectives_inside_the_layer_scan_count_once_per_layer():
     counts = {}
     for layers in (2, 4, 6):
