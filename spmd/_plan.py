@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._layout import Layout
+from spmd._offload import check_offload
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
     LogicalRules,
@@ -41,7 +42,8 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
+    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`); ``offload``
+    names the parts of the training state kept in host memory between steps (see :mod:`spmd._offload`).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -58,6 +60,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False
     execution: ExecutionSpec | None = None
+    offload: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", check_offload(self.offload))
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -97,6 +103,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
+            offload=_merge_unique(self.offload, other.offload),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -128,6 +135,15 @@ class Plan:
             )
         return dataclasses.replace(self, parts=parts)
 
+    def with_offload(self, *parts: str) -> Plan:
+        """The plan keeping ``parts`` of the training state in host memory between steps (``"optimizer"``:
+        ZeRO-Offload's optimizer state, moved to the device for each update and back).
+
+        >>> Plan(batch_axes=("data",)).with_offload("optimizer").describe()
+        'batch over data; parameters replicated; optimizer state offloaded to host'
+        """
+        return dataclasses.replace(self, offload=_merge_unique(self.offload, check_offload(parts, "Plan.with_offload")))
+
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors.
 
@@ -155,8 +171,11 @@ class Plan:
             else "; parameters replicated"
         )
         remat = "; layers rematerialised" if self.remat else ""
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}" + (
-            f"; {ex.describe()}" if ex is not None else ""
+        offload = "".join(f"; {part} state offloaded to host" for part in self.offload)
+        return (
+            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
+            + (f"; {ex.describe()}" if ex is not None else "")
+            + offload
         )
 
     def __str__(self) -> str:
