@@ -524,7 +524,9 @@ def _memory_warnings(compiled_memory: dict[str, int], analytic_memory: dict[str,
 
 
 def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """The compiled program's ``memory_analysis()`` per device, with a peak estimate.
+    """The compiled program's ``memory_analysis()`` per device, with a peak estimate. A program keeping state in
+    host memory (offload) adds ``host_*`` figures, and its device figures leave them out (see
+    :mod:`spmd._offload` for how the CPU backend's are read).
 
     >>> import jax, jax.numpy as jnp
     >>> memory_of(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument_bytes"]
