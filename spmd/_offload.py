@@ -96,12 +96,13 @@ def on_device(shardings: Any) -> Any:
 
 
 def check_host_memory(mesh: jax.sharding.Mesh, offload: tuple[str, ...]) -> None:
-    """Raises when the mesh's devices have no ``pinned_host`` memory to offload to.
+    """Raises when ``offload`` names what cannot be offloaded, or the mesh's devices have no ``pinned_host``
+    memory to offload to.
 
     >>> import spmd
     >>> check_host_memory(spmd.make_mesh({"data": -1}), ("optimizer",))
     """
-    if not offload:
+    if not check_offload(offload):
         return
     device = mesh.devices.flat[0]
     kinds = [m.kind for m in device.addressable_memories()]

@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._layout import Layout
-from spmd._offload import check_offload
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
     LogicalRules,
@@ -42,8 +41,7 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`); ``offload``
-    names the parts of the training state kept in host memory between steps (see :mod:`spmd._offload`).
+    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -60,10 +58,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False
     execution: ExecutionSpec | None = None
-    offload: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "offload", check_offload(self.offload))
+    offload: tuple[str, ...] = ()  # parts of the training state kept in host memory (strategies.offload)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -135,15 +130,6 @@ class Plan:
             )
         return dataclasses.replace(self, parts=parts)
 
-    def with_offload(self, *parts: str) -> Plan:
-        """The plan keeping ``parts`` of the training state in host memory between steps (``"optimizer"``:
-        ZeRO-Offload's optimizer state, moved to the device for each update and back).
-
-        >>> Plan(batch_axes=("data",)).with_offload("optimizer").describe()
-        'batch over data; parameters replicated; optimizer state offloaded to host'
-        """
-        return dataclasses.replace(self, offload=_merge_unique(self.offload, check_offload(parts, "Plan.with_offload")))
-
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors.
 
@@ -170,13 +156,9 @@ class Plan:
             if ex is not None and ex.splits_state
             else "; parameters replicated"
         )
-        remat = "; layers rematerialised" if self.remat else ""
-        offload = "".join(f"; {part} state offloaded to host" for part in self.offload)
-        return (
-            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
-            + (f"; {ex.describe()}" if ex is not None else "")
-            + offload
-        )
+        tail = ("; layers rematerialised" if self.remat else "") + (f"; {ex.describe()}" if ex is not None else "")
+        tail += "".join(f"; {part} state offloaded to host" for part in self.offload)
+        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{tail}"
 
     def __str__(self) -> str:
         return self.describe()

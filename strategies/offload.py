@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spmd import Plan
+from spmd.rules import check_offload
 
 __all__ = ["offload"]
 
@@ -16,4 +17,4 @@ def offload(*parts: str) -> Plan:
     >>> (strategies.zero3() + offload("optimizer")).describe()
     'batch over data; fsdp(axis=data, min_bytes=4096); layers rematerialised; optimizer state offloaded to host'
     """
-    return Plan().with_offload(*(parts or ("optimizer",)))
+    return Plan(offload=check_offload(parts or ("optimizer",), "strategies.offload"))

@@ -50,12 +50,19 @@ def test_plan_says_what_it_offloads():
     assert plan.offload == ("optimizer",)
     assert plan.describe().endswith("; optimizer state offloaded to host")
     assert (plan + strategies.offload("optimizer")).offload == ("optimizer",)  # a union
-    assert strategies.zero3().with_offload("optimizer") == plan
+    assert strategies.offload() == spmd.Plan(offload=("optimizer",))  # the default part
     assert strategies.zero3().offload == () and "offload" not in strategies.zero3().describe()
     with pytest.raises(spmd.PlanError, match=r"cannot offload 'activations'; offloadable: optimizer"):
         strategies.offload("activations")
-    with pytest.raises(spmd.PlanError, match=r"Plan\(offload=\): cannot offload 'params'"):
-        spmd.Plan(offload=("params",))
+    params = {"w": jax.ShapeDtypeStruct((4, 4), "float32")}
+    with pytest.raises(spmd.PlanError, match=r"Plan\(offload=\): cannot offload 'params'; offloadable: optimizer"):
+        spmd.TrainStep(
+            lambda p, b: 0.0,
+            optax.sgd(0.1),
+            spmd.Plan(offload=("params",)),
+            spmd.make_mesh({"data": -1}),
+            params=params,
+        )
 
 
 @pytest.mark.parametrize("name", ["dp", "zero3"])
