@@ -115,8 +115,8 @@ def test_explicit_axes_script():
 @pytest.mark.slow
 def test_offload_script():
     out = run_script("offload.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16", timeout=400)
-    rows = {tuple(c.strip() for c in line.split("│")[1:3]): line.split("│")[3:-1] for line in out.splitlines()}
-    rows = {k: [c.strip() for c in v] for k, v in rows.items() if k[0] in ("dp", "zero3")}
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    rows = {tuple(row[:2]): row[2:] for row in cells}
     assert set(rows) == {(n, o) for n in ("dp", "zero3") for o in ("-", "optimizer")}, out
     for name in ("dp", "zero3"):
         plain, off = rows[name, "-"], rows[name, "optimizer"]
