@@ -1,6 +1,8 @@
 """Optimizer state offloaded to host memory: the plan says it, the compiled program places the state in host
 memory (its shardings, the HLO's entry layout, the report's host bytes), and training equals one device."""
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -144,3 +146,11 @@ def test_checkpoints_move_between_offloaded_and_device_state(tmp_path, trained):
 def test_bad_offload_flags_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_plan_command_shows_the_offloaded_state_on_host(capsys):
+    code, out, _ = run_cli(capsys, "plan", "--offload", "optimizer", "--strategy", "zero3", "--layers", "1", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["plan"].endswith("optimizer state offloaded to host")
+    host = report["compiled_memory"]["host_argument_bytes"]
+    assert host == report["analytic_memory"]["host_argument_bytes"] == report["per_device_bytes"]["host_optimizer"]

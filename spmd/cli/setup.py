@@ -150,7 +150,7 @@ def _plan(
         subnet_options=subnet,
         block=getattr(args, "block", None),
     )
-    return plan.with_offload(*args.offload) if getattr(args, "offload", None) else plan
+    return plan + strategies.offload(*args.offload) if getattr(args, "offload", None) else plan
 
 
 def _mesh(shape: dict[str, int], dcn: dict[str, int] | None, explicit: bool) -> jax.sharding.Mesh:
