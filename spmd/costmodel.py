@@ -669,9 +669,11 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> int:
-        """What must fit in a device's memory at the step's peak: the model state, the kept activations, and
-        the optimizer's update (a temporary the size of the parameters)."""
-        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + self.activation_bytes
+        """What must fit in a device's memory at the step's peak: the model state, the kept activations (or an
+        offloaded optimizer state brought in for the update, if larger), and the optimizer's update (a temporary
+        the size of the parameters)."""
+        kept = max(self.activation_bytes, self.host_bytes)
+        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + kept
 
     @property
     def comm_bytes(self) -> int:

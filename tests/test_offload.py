@@ -114,6 +114,8 @@ def test_report_and_cost_model_count_the_optimizer_state_on_host():
     assert b.host_bytes == a.per_device_bytes["optimizer"] == opt
     assert b.per_device_bytes["total"] == a.per_device_bytes["total"] - opt
     assert b.traffic == a.traffic  # the collectives are the same; the transfer is its own kind
+    act = a.activation_bytes  # the state comes in for the update, after the backward pass frees the activations
+    assert b.memory_bytes == a.memory_bytes - opt - act + max(act, opt)
     assert [(t.kind, t.axes, t.bytes) for t in b.host_traffic] == [("host-transfer", (), 2 * opt)]
     assert b.time.comm_s == pytest.approx(a.time.comm_s + 2 * opt / hw.host_bandwidth + 2 * hw.ici_latency)
 
