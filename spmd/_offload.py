@@ -25,7 +25,10 @@ import numpy as np
 
 from spmd._rules import PlanError
 
-__all__ = ["HOST", "OFFLOADABLE", "check_offload", "host_memory", "offloaded", "on_device", "on_host"]
+__all__ = [
+    "HOST", "OFFLOADABLE", "check_host_memory", "check_offload", "entry_layout", "host_memory", "offloaded",
+    "on_device", "on_host",
+]  # fmt: skip
 
 HOST = "pinned_host"
 OFFLOADABLE: dict[str, str] = {"optimizer": "optimizer state in host memory"}
@@ -196,14 +199,3 @@ def host_memory(hlo: str) -> dict[str, int]:
         "host_output_bytes": sum(on_host_results),
         "host_alias_bytes": alias,
     }
-
-
-def is_host(sharding: Any) -> bool:
-    """Whether a sharding places its array in host memory.
-
-    >>> import spmd
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> is_host(NamedSharding(spmd.make_mesh({"data": -1}), P(), memory_kind="pinned_host"))
-    True
-    """
-    return getattr(sharding, "memory_kind", None) in (HOST, "unpinned_host")
