@@ -99,8 +99,13 @@ def _digest_arrays(tree: Any) -> tuple[list[jax.Array], list[jax.Array]]:
             return jnp.zeros(2, bool)
         return jnp.stack([jnp.any(jnp.isnan(x)), jnp.any(jnp.isinf(x))])
 
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    leaves = [_on_device(jnp.asarray(x)) for x in jax.tree.leaves(tree)]
     return [digest(x) for x in leaves], [bad(x) for x in leaves]
+
+
+def _on_device(x: jax.Array) -> jax.Array:
+    """An offloaded array (in host memory) moved to the device for arithmetic, which runs in one memory space."""
+    return jax.device_put(x, jax.memory.Space.Device) if jax.typeof(x).memory_space == jax.memory.Space.Host else x
 
 
 def digests(tree: Any) -> tuple[dict[str, str], list[str]]:

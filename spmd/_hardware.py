@@ -39,6 +39,9 @@ class Hardware:
     ici_devices: int  # consecutive devices joined by the fast links
     utilisation: float = 0.5  # share of peak FLOP/s a well-tuned step reaches
     axis_bandwidth: tuple[tuple[str, float], ...] = ()
+    # bytes/s per device between host and device memory, one direction: a PCIe 4.0 x16 link's effective rate
+    # (offloaded state streams over it); PCIe 5.0 hosts reach about twice it: set it with dataclasses.replace.
+    host_bandwidth: float = 25e9
 
     def with_axis_bandwidth(self, bandwidth: Mapping[str, float]) -> Hardware:
         """The same device with the bandwidth of some mesh axes set explicitly (bytes/s per device)."""

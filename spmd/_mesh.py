@@ -244,7 +244,7 @@ def retyped(tree: Any, mesh: Mesh) -> Any:
             raise ValueError(f"retyped: {other} and {mesh} have other axes; only the axis types may differ")
         if (other.devices != mesh.devices).any():
             raise ValueError(f"retyped: {other} and {mesh} hold other devices; only the axis types may differ")
-        return NamedSharding(mesh, sharding.spec)
+        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)  # offloaded state stays on host
 
     def one(x: Any) -> Any:
         if isinstance(x, NamedSharding):

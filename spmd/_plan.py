@@ -58,6 +58,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False
     execution: ExecutionSpec | None = None
+    offload: tuple[str, ...] = ()  # parts of the training state kept in host memory (strategies.offload)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -97,6 +98,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
+            offload=_merge_unique(self.offload, other.offload),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -154,10 +156,9 @@ class Plan:
             if ex is not None and ex.splits_state
             else "; parameters replicated"
         )
-        remat = "; layers rematerialised" if self.remat else ""
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}" + (
-            f"; {ex.describe()}" if ex is not None else ""
-        )
+        tail = ("; layers rematerialised" if self.remat else "") + (f"; {ex.describe()}" if ex is not None else "")
+        tail += "".join(f"; {part} state offloaded to host" for part in self.offload)
+        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{tail}"
 
     def __str__(self) -> str:
         return self.describe()

@@ -24,6 +24,7 @@ from spmd._executor import Summary
 from spmd._format import format_bytes
 from spmd._hlo import Collective, collectives, matmul_flops, num_devices
 from spmd._layout import LeafLayout, StateLayout, resolve_state
+from spmd._offload import host_memory
 from spmd._plan import Plan
 from spmd._report_tables import tables
 from spmd._resolve import idle_axes, idle_axes_text, unused_axes
@@ -45,6 +46,13 @@ _MEMORY_FIELDS = {
     "temp_bytes": "temp_size_in_bytes",
     "alias_bytes": "alias_size_in_bytes",
     "generated_code_bytes": "generated_code_size_in_bytes",
+}
+# Host memory (offloaded state), where the backend reports it.
+_HOST_FIELDS = {
+    "host_argument_bytes": "host_argument_size_in_bytes",
+    "host_output_bytes": "host_output_size_in_bytes",
+    "host_temp_bytes": "host_temp_size_in_bytes",
+    "host_alias_bytes": "host_alias_size_in_bytes",
 }
 
 
@@ -390,7 +398,7 @@ def _with_estimate(out: Report, estimate: costmodel.Estimate, side: _Side, batch
     batch_ways = math.prod(out.mesh_axes[a] for a in out.plan.batch_axes)
     memory = estimate.step_memory(_bytes(batch) // batch_ways)
     memory["argument_bytes"] += side.counter_bytes - 4  # step_memory counts a TrainStep's int32 step counter
-    keep = set(memory) if known else {"argument_bytes", "padding_bytes"}
+    keep = set(memory) if known else {"argument_bytes", "padding_bytes", "host_argument_bytes", "host_transfer_bytes"}
     if not side.optimizer_known or batch is None:
         keep -= {"argument_bytes", "peak_bytes"}
     per_device = dict(estimate.per_device_bytes)
@@ -520,7 +528,9 @@ def _memory_warnings(compiled_memory: dict[str, int], analytic_memory: dict[str,
 
 
 def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
-    """The compiled program's ``memory_analysis()`` per device, with a peak estimate.
+    """The compiled program's ``memory_analysis()`` per device, with a peak estimate. A program keeping state in
+    host memory (offload) adds ``host_*`` figures, and its device figures leave them out (see
+    :mod:`spmd._offload` for how the CPU backend's are read).
 
     >>> import jax, jax.numpy as jnp
     >>> memory_of(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile())["argument_bytes"]
@@ -530,5 +540,16 @@ def memory_of(compiled: jax.stages.Compiled) -> dict[str, int]:
     if stats is None:  # some backends do not report
         return {}
     out = {ours: int(getattr(stats, theirs, 0)) for ours, theirs in _MEMORY_FIELDS.items()}
+    host = {ours: int(getattr(stats, theirs, 0)) for ours, theirs in _HOST_FIELDS.items()}
+    if not any(host.values()):
+        # The CPU backend reports no host bytes and counts the arrays its layout places in host memory among the
+        # device's arguments and outputs: read them off the layout, and keep the device's figures the device's.
+        placed = host_memory(compiled.as_text())
+        for key in ("argument_bytes", "output_bytes", "alias_bytes"):
+            out[key] -= placed[f"host_{key}"]
+            host[f"host_{key}"] = placed[f"host_{key}"]
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    if any(host.values()):
+        out |= {k: v for k, v in host.items() if k != "host_alias_bytes"}
+        out["host_peak_bytes"] = sum(v for k, v in host.items() if k != "host_alias_bytes") - host["host_alias_bytes"]
     return out

@@ -85,6 +85,15 @@ def _memory(report: Report) -> Table:
         format_bytes(cm.get("temp_bytes")),
     )
     table.add_row("peak", format_bytes(am.get("peak_bytes")), format_bytes(cm.get("peak_bytes")))
+    if pd.get("host_optimizer") or "host_argument_bytes" in cm or "host_argument_bytes" in am:
+        # Offloaded state: in host memory between steps, apart from the device's figures above.
+        table.add_row(
+            "host: arguments (offloaded state)",
+            format_bytes(am.get("host_argument_bytes")),
+            format_bytes(cm.get("host_argument_bytes")),
+        )
+        table.add_row("host: outputs", "", format_bytes(cm.get("host_output_bytes")))
+        table.add_row("host <-> device per step", format_bytes(am.get("host_transfer_bytes")), "")
     return table
 
 

@@ -18,6 +18,7 @@ from spmd._executor import Executor, Task, plain
 from spmd._keys import BaseKey, StepKey, named
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
+from spmd._offload import check_host_memory, offloaded, on_device, on_host
 from spmd._plan import Plan
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
@@ -130,9 +131,15 @@ class TrainStep:
             plan, stored, optimizer, mesh, trained=None if trained is stored else trained
         )
         replicated = NamedSharding(mesh, PartitionSpec())
-        self.shardings = TrainState(
-            replicated, _named(mesh, self.layout.params.specs), _named(mesh, self.layout.opt_state.specs)
-        )
+        opt_shardings = _named(mesh, self.layout.opt_state.specs)
+        # An offloaded optimizer state lives in host memory between steps (created, donated, saved there); the
+        # step moves it to the device for the update, and its outputs' shardings write it back.
+        check_host_memory(mesh, plan.offload)
+        self.offloads_optimizer = offloaded(plan.offload, "optimizer")
+        if self.offloads_optimizer:
+            opt_shardings = on_host(opt_shardings)
+        self.shardings = TrainState(replicated, _named(mesh, self.layout.params.specs), opt_shardings)
+        self._opt_on_device = on_device(_named(self.traced_mesh, self.layout.opt_state.specs))
         self.grad_shardings = _named(self.traced_mesh, self.layout.grads.specs)
         # Per batch signature: the program, the batch's shardings, and whether it rematerialises.
         self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any, bool]] = {}
@@ -214,7 +221,8 @@ class TrainStep:
         # compiler reduces them straight into it.
         grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
         trained = ex.to_trained(state.params)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
+        kept = jax.device_put(state.opt_state, self._opt_on_device) if self.offloads_optimizer else state.opt_state
+        updates, opt_state = self.optimizer.update(grads, kept, trained)
         params = ex.from_trained(optax.apply_updates(trained, updates))
         if self.skip_nonfinite:
             # Unlike optax.apply_if_finite, the loss counts too, and the optimizer state keeps its structure,
@@ -222,7 +230,7 @@ class TrainStep:
             finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
             ok = jnp.logical_and(jnp.isfinite(loss), jnp.all(jnp.stack(finite)) if finite else True)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, kept)
             loss = jnp.where(ok, loss, jnp.nan)  # a step skipped for its gradients alone says so too
         return TrainState(state.step + 1, params, opt_state), loss
 

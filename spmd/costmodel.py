@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HARDWARE",
+    "HOST_TRANSFER",
     "TOLERANCE",
     "Hardware",
     "Contribution",
@@ -71,6 +72,7 @@ __all__ = [
     "estimate_layout",
     "flops_per_device",
     "gathered_axes",
+    "host_traffic",
     "hardware",
     "matmuls",
     "model_state_bytes",
@@ -87,6 +89,8 @@ __all__ = [
 
 # A compiled figure more than this far from the analytic one is flagged in the report.
 TOLERANCE = 0.10
+# The traffic of offloaded state between host and device memory: not a collective (no mesh axes).
+HOST_TRANSFER = "host-transfer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,7 +631,8 @@ class StepTime:
 
 def step_time(flops: float, traffic: Iterable[Traffic], hw: Hardware, mesh_shape: Mapping[str, int]) -> StepTime:
     """Modelled step time: ``flops / (peak × utilisation)`` plus, per collective, its ring traffic over the
-    bandwidth of the slowest link its axes cross and a latency per op.
+    bandwidth of the slowest link its axes cross and a latency per op; host-transfer traffic (offloaded state
+    moved in and out) over the host link.
 
     >>> h = HARDWARE["h100"]
     >>> t = step_time(1e12, [Traffic("all-reduce", ("data",), 9e8, 9e8)], h, {"data": 8})
@@ -637,6 +642,8 @@ def step_time(flops: float, traffic: Iterable[Traffic], hw: Hardware, mesh_shape
     comm = 0.0
     for t in traffic:
         bandwidth, latency = hw.link(t.axes, mesh_shape)
+        if t.kind == HOST_TRANSFER:
+            bandwidth, latency = hw.host_bandwidth, hw.ici_latency
         comm += t.traffic_bytes / bandwidth + t.count * latency
     return StepTime(flops / (hw.flops * hw.utilisation), comm, hw.name)
 
@@ -678,12 +685,16 @@ class Estimate:
     flops: float
     time: StepTime
     activation_note: str = "activations kept for backward"
+    host_bytes: int = 0  # per device, of state offloaded to host memory (not in per_device_bytes' total)
+    host_traffic: tuple[Traffic, ...] = ()  # offloaded state moved to the device and back, per step
 
     @property
     def memory_bytes(self) -> int:
-        """What must fit in a device's memory at the step's peak: the model state, the kept activations, and
-        the optimizer's update (a temporary the size of the parameters)."""
-        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + self.activation_bytes
+        """What must fit in a device's memory at the step's peak: the model state, the kept activations (or an
+        offloaded optimizer state brought in for the update, if larger), and the optimizer's update (a temporary
+        the size of the parameters)."""
+        kept = max(self.activation_bytes, self.host_bytes)
+        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + kept
 
     @property
     def comm_bytes(self) -> int:
@@ -694,6 +705,10 @@ class Estimate:
         parameters, the optimizer state, the int32 step — and ``batch_bytes`` of batch) exactly, and an estimate
         of its temporaries (the gradients, the optimizer's parameter-sized update and the kept activations).
 
+        With the optimizer state offloaded (``host_bytes``), the arguments hold none of it; it comes to the device
+        for the update, after the backward pass has freed the activations, so the temporaries hold the larger of
+        the two; ``host_argument_bytes`` and ``host_transfer_bytes`` (moved in and out per step) are added.
+
         >>> e = Estimate({"params": 8, "grads": 8, "optimizer": 16, "total": 32}, 100, 0, (), 0.0, None)
         >>> e.step_memory(10)
         {'argument_bytes': 38, 'activation_bytes': 100, 'padding_bytes': 0, 'temp_bytes': 116, 'peak_bytes': 154}
@@ -703,9 +718,13 @@ class Estimate:
             "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
             "activation_bytes": self.activation_bytes,
             "padding_bytes": self.padding_bytes,
-            "temp_bytes": state["grads"] + state["params"] + self.activation_bytes,
+            "temp_bytes": state["grads"] + state["params"] + max(self.activation_bytes, self.host_bytes),
         }
-        return out | {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
+        out |= {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
+        if self.host_bytes:
+            moved = int(sum(t.bytes for t in self.host_traffic))
+            out |= {"host_argument_bytes": self.host_bytes, "host_transfer_bytes": moved}
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -717,7 +736,11 @@ class Estimate:
             "collectives": [t.to_dict() for t in self.traffic],
             "flops_per_device": self.flops,
             "step_time": self.time.to_dict(),
-        }
+        } | (
+            {"host_bytes": self.host_bytes, "host_traffic": [t.to_dict() for t in self.host_traffic]}
+            if self.host_bytes
+            else {}
+        )
 
 
 def padding_bytes(layout: StateLayout) -> int:
@@ -766,15 +789,36 @@ def estimate_layout(
     if kept is None:
         kept = activation_bytes(layout.params.leaves, plan, mesh_shape, workload)
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
+    state, host = model_state_bytes(layout), 0
+    if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
+        host = state["optimizer"]
+        state = state | {"optimizer": 0, "total": state["total"] - host, "host_optimizer": host}
+    streamed = host_traffic(host)
     return Estimate(
-        per_device_bytes=model_state_bytes(layout),
+        per_device_bytes=state,
         activation_bytes=int(kept),
         padding_bytes=padding_bytes(layout),
         traffic=moved,
         flops=flops,
-        time=step_time(flops, moved, hardware, mesh_shape),
+        time=step_time(flops, (*moved, *streamed), hardware, mesh_shape),
         activation_note=contribution.activation_note,
+        host_bytes=host,
+        host_traffic=streamed,
     )
+
+
+def host_traffic(offloaded_bytes: int) -> tuple[Traffic, ...]:
+    """The per-step traffic between host and device memory of ``offloaded_bytes`` of state per device that the
+    update reads and writes: moved to the device and back, each device its own shards (no mesh axes).
+
+    >>> host_traffic(1024)
+    (Traffic(kind='host-transfer', axes=(), bytes=2048, traffic_bytes=2048, count=2),)
+    >>> host_traffic(0)
+    ()
+    """
+    if offloaded_bytes <= 0:
+        return ()
+    return (Traffic(HOST_TRANSFER, (), 2 * offloaded_bytes, 2 * offloaded_bytes, 2),)
 
 
 def estimate(

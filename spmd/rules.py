@@ -11,6 +11,7 @@ dimension. ``PathRules`` match regexes on parameter paths, ``LogicalRules`` map 
 'batch over replicated; my tensor parallelism'
 """
 
+from spmd._offload import OFFLOADABLE, check_offload
 from spmd._rules import (
     ROLES,
     Entries,
@@ -29,6 +30,7 @@ from spmd._rules import (
 from spmd._tree import Leaf, leaves_with_paths
 
 __all__ = [
+    "OFFLOADABLE",
     "ROLES",
     "Entries",
     "Leaf",
@@ -40,6 +42,7 @@ __all__ = [
     "ShardLargest",
     "as_entries",
     "assign_by_rules",
+    "check_offload",
     "entry",
     "leaves_with_paths",
     "quote",

@@ -23,6 +23,7 @@ from strategies import hetero
 from strategies.data_parallel import data_parallel
 from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
+from strategies.offload import offload
 from strategies.osdp import osdp
 from strategies.pipeline import SCHEDULES, pipeline, pipeline_schedule
 from strategies.subnet import subnetwork_dp
@@ -40,6 +41,7 @@ __all__ = [
     "fsdp",
     "hetero",
     "hsdp",
+    "offload",
     "osdp",
     "PipelineOptions",
     "SCHEDULES",

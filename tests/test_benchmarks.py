@@ -110,3 +110,15 @@ def test_explicit_axes_script():
     for row in rows:  # one compiled program on either kind of mesh: the same collectives and memory
         cells = [cell.strip() for cell in row.split("│")[1:-1]]
         assert cells[2] == "identical" and cells[3] == cells[4] and cells[5] == cells[6], row
+
+
+@pytest.mark.slow
+def test_offload_script():
+    out = run_script("offload.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16", timeout=400)
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]
+    rows = {tuple(row[:2]): row[2:] for row in cells}
+    assert set(rows) == {(n, o) for n in ("dp", "zero3") for o in ("-", "optimizer")}, out
+    for name in ("dp", "zero3"):
+        plain, off = rows[name, "-"], rows[name, "optimizer"]
+        assert plain[3] == "0 B" and off[3] == off[4] != "0 B", out  # host arguments: compiled == analytic
+        assert off[5] == "1.000" and float(off[6]) < 1.0, out  # the whole optimizer state left the device

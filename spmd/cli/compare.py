@@ -63,7 +63,8 @@ def _compare_table(rows: list[dict], model: str, mesh: Any) -> Any:
     shown = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
     table = Table(title=f"{model} on {shown}: per device, per step", title_justify="left")
     columns = ("strategy", "model state", "compiled args+temp", "traffic compiled", "traffic analytic", "step")
-    for col in (*columns, "modelled step"):
+    host = any("host_argument_bytes" in r["compiled_memory"] for r in rows)  # offloaded state: its own column
+    for col in (*columns[:3], *(("compiled host",) if host else ()), *columns[3:], "modelled step"):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for r in rows:
         mem = r["compiled_memory"]
@@ -72,6 +73,7 @@ def _compare_table(rows: list[dict], model: str, mesh: Any) -> Any:
             r["strategy"],
             mb(r["per_device_bytes"]["total"]),
             mb(mem.get("argument_bytes", 0) + mem.get("temp_bytes", 0)),
+            *((mb(mem.get("host_argument_bytes", 0)),) if host else ()),
             mb(r["comm_bytes_per_step"]["compiled"]),
             mb(r["comm_bytes_per_step"]["analytic"]),
             f"{r['step_time_s'] * 1e3:.0f} ms",

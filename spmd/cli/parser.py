@@ -14,11 +14,14 @@ from typing import NoReturn
 
 import strategies
 from spmd._mesh import MAX_EMULATED_DEVICES
+from spmd._offload import OFFLOADABLE
 from spmd.costmodel import HARDWARE
 from spmd.devices import parse_bytes
 from spmd.execution import GRANULARITIES, MASKINGS
 
-__all__ = ["DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parser"]
+__all__ = [
+    "DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parse_offload", "parser",
+]  # fmt: skip
 
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
 _POSITIVE = (
@@ -115,6 +118,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
     p.add_argument("--layers", type=int, help="override the model's number of layers")
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
+    p.add_argument("--offload", help=f"keep in host memory between steps: {', '.join(OFFLOADABLE)} (ZeRO-Offload)")
     p.add_argument("--device-kind", help=f"cost model device: {', '.join(HARDWARE)} (default: the devices present)")
     p.add_argument("--axis-bandwidth", help="per-axis link bandwidth in GB/s per device, e.g. tensor=450,tensor2=50")
     p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
@@ -227,6 +231,8 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
     if getattr(args, "axis_bandwidth", None) is not None:
         args.axis_bandwidth = parse_bandwidth(args.axis_bandwidth)
+    if getattr(args, "offload", None) is not None:
+        args.offload = parse_offload(args.offload)
     _check_applies(args, getattr(args, "given", set()))
 
 
@@ -260,6 +266,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _check_applies(args: argparse.Namespace, given: set[str]) -> None:
     """Flags that the chosen command or strategy would ignore are errors, not silently dropped."""
+    if "offload" in given and args.command == "suggest":
+        raise UsageError("--offload does not apply to suggest, which ranks plans without it; remove the flag")
     if "strategy" in given and args.command in ("compare", "suggest"):
         instead = "give the strategies to compare with --strategies" if args.command == "compare" else "it ranks them"
         raise UsageError(f"--strategy does not apply to {args.command}: {instead}")
@@ -288,6 +296,22 @@ def _check_applies(args: argparse.Namespace, given: set[str]) -> None:
     absent = [axis for axis in bandwidth if axis not in axes]
     if absent and (args.command != "suggest" or "mesh" in given):  # suggest's own meshes name their axes
         raise UsageError(f"--axis-bandwidth names {absent[0]!r}, which the mesh {args.mesh} has not; use its axes")
+
+
+def parse_offload(text: str) -> tuple[str, ...]:
+    """``--offload``'s comma-separated parts of the training state kept in host memory.
+
+    >>> parse_offload("optimizer")
+    ('optimizer',)
+    """
+    parts = tuple(part.strip() for part in text.split(","))
+    unknown = [part for part in parts if part not in OFFLOADABLE]
+    if unknown or not text.strip():
+        raise UsageError(
+            f"--offload {text!r}: cannot offload {unknown[0] if unknown else 'nothing'!r}; "
+            f"choose from {', '.join(OFFLOADABLE)} (e.g. --offload optimizer)"
+        )
+    return tuple(dict.fromkeys(parts))
 
 
 def _check_writable(path: str, flag: str) -> None:

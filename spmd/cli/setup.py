@@ -142,7 +142,7 @@ def _plan(
     subnet = None
     if hasattr(args, "coverage"):
         subnet = strategies.SubnetOptions(args.coverage, args.granularity, args.masking, args.seed)
-    return strategies.from_names(
+    plan = strategies.from_names(
         strategy,
         dict(mesh.shape),
         context=context,
@@ -150,6 +150,7 @@ def _plan(
         subnet_options=subnet,
         block=getattr(args, "block", None),
     )
+    return plan + strategies.offload(*args.offload) if getattr(args, "offload", None) else plan
 
 
 def _mesh(shape: dict[str, int], dcn: dict[str, int] | None, explicit: bool) -> jax.sharding.Mesh:
