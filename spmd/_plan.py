@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
+from spmd._accumulate import check_accumulate
 from spmd._layout import Layout
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
@@ -41,7 +42,8 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
+    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`); ``accumulate``
+    runs each step's batch as that many microbatches, gradients reduced once per step (:meth:`with_accumulation`).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -58,6 +60,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False
     execution: ExecutionSpec | None = None
+    accumulate: int = 1
+
+    def __post_init__(self) -> None:
+        check_accumulate(self.accumulate, "Plan(accumulate=...)")
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -89,6 +95,12 @@ class Plan:
         if a is not None and b is not None and a != b:
             what = f"two {a.source} parts in one plan" if type(a) is type(b) else f"{a.source} and {b.source}"
             raise PlanError(f"{what}: {a.describe()} and {b.describe()}; a plan runs one execution mode, keep one")
+        k, m = self.accumulate, other.accumulate
+        if k > 1 and m > 1 and k != m:
+            raise PlanError(
+                f"one plan accumulates gradients over {k} microbatches, the other over {m}; a step accumulates "
+                f"once: keep one (e.g. plan.with_accumulation({max(k, m)}))"
+            )
         return Plan(
             parts=self.parts + other.parts,
             batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
@@ -97,6 +109,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
+            accumulate=max(k, m),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -128,6 +141,15 @@ class Plan:
             )
         return dataclasses.replace(self, parts=parts)
 
+    def with_accumulation(self, k: int) -> Plan:
+        """Each step runs its batch as ``k`` microbatches and accumulates their gradients, reduced once per step
+        (:mod:`spmd._accumulate`); the batch size must split into ``k`` microbatches the batch axes divide.
+
+        >>> Plan(batch_axes=("data",)).with_accumulation(4).describe()
+        'batch over data; parameters replicated; gradients accumulated over 4 microbatches'
+        """
+        return dataclasses.replace(self, accumulate=check_accumulate(k))
+
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors.
 
@@ -155,8 +177,11 @@ class Plan:
             else "; parameters replicated"
         )
         remat = "; layers rematerialised" if self.remat else ""
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}" + (
-            f"; {ex.describe()}" if ex is not None else ""
+        accumulate = f"; gradients accumulated over {self.accumulate} microbatches" if self.accumulate > 1 else ""
+        return (
+            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
+            + (f"; {ex.describe()}" if ex is not None else "")
+            + accumulate
         )
 
     def __str__(self) -> str:
