@@ -1,6 +1,8 @@
 """Gradient accumulation: K microbatches per step equal one device on the whole batch, and the plain step reduces
 its gradients once per step, read from the compiled program."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,9 @@ import pytest
 
 import spmd
 import strategies
-from spmd import data, models
+from spmd import costmodel, data, models
 from spmd._hlo import collectives
-from tests.conftest import assert_trees_close, train_steps
+from tests.conftest import assert_trees_close, run_cli, train_steps
 
 STEPS, BATCH = 2, 32
 
@@ -37,6 +39,12 @@ def _assert_equal(run, reference):
     assert_trees_close(step.params_of(state), reference[1])
 
 
+def _compiled_step(plan, mesh):
+    """A step of ``plan`` compiled for the tests' batch, never run."""
+    params = jax.eval_shape(_model().init, jax.random.key(0))
+    return spmd.TrainStep(models.loss_fn(_model()), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params)
+
+
 def _reductions(step, mesh):
     """Per compiled step: {kind: (ops run, bytes moved)} over every mesh axis."""
     b = data.batch(0, 0, BATCH, 32, 256)
@@ -60,7 +68,7 @@ def _assert_once(step, base, mesh):
 
 def test_dp_reduces_gradients_once_per_step_and_equals_one_device(reference):
     mesh = spmd.make_mesh({"data": 8})
-    base = train_steps(_model(), strategies.data_parallel(), mesh, steps=1, batch_size=BATCH)[2]
+    base = _compiled_step(strategies.data_parallel(), mesh)
     run = train_steps(_model(), strategies.data_parallel().with_accumulation(4), mesh, steps=STEPS, batch_size=BATCH)
     _assert_equal(run, reference)
     assert set(_assert_once(run[2], base, mesh)) == {"all-reduce"}
@@ -72,7 +80,7 @@ def test_zero2_reduce_scatters_once_and_equals_one_device(reference):
     mesh = spmd.make_mesh({"data": 8})
     run = train_steps(_model(), strategies.zero2().with_accumulation(2), mesh, steps=STEPS, batch_size=BATCH)
     _assert_equal(run, reference)
-    base = train_steps(_model(), strategies.zero2(), mesh, steps=1, batch_size=BATCH)[2]
+    base = _compiled_step(strategies.zero2(), mesh)
     assert set(_assert_once(run[2], base, mesh)) == {"all-reduce", "reduce-scatter", "all-gather"}
 
 
@@ -93,6 +101,7 @@ def test_pipeline_accumulates_whole_schedules():
     _assert_equal(run, (ref[0], ref[2].params_of(ref[1])))
 
 
+@pytest.mark.slow
 def test_uneven_shares_of_one_microbatch_equal_one_device(reference):
     plan = strategies.hetero.uneven_data_parallel((4, 4, 1, 1, 1, 1, 2, 2)).with_accumulation(2)
     _assert_equal(train_steps(_model(), plan, spmd.make_mesh({"data": 8}), steps=STEPS, batch_size=BATCH), reference)
@@ -144,3 +153,50 @@ def test_plan_setting_and_its_mistakes():
     )  # fmt: skip
     with pytest.raises(spmd.PlanError, match=r"batch of 16 cannot be split into 4 microbatches .* multiple of 32"):
         step.lower(data.batch(0, 0, 16, 32, 256))
+
+
+def test_cost_model_keeps_one_microbatch_and_gathers_per_microbatch():
+    model = _model()
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    plan, sizes = strategies.from_names("dp+fsdp"), {"data": 4, "fsdp": 2}
+    workload = costmodel.Workload(batch=BATCH, seq_len=model.config.seq_len)
+
+    def estimate(k):
+        e = costmodel.estimate(
+            plan.with_accumulation(k) if k > 1 else plan, params, sizes, workload,
+            optimizer=optax.adam(1e-3), hardware=costmodel.HARDWARE["cpu"],
+        )  # fmt: skip
+        return e, {(t.kind, t.axes): t.traffic_bytes for t in e.traffic}
+
+    (one, moved1), (four, moved4) = estimate(1), estimate(4)
+    assert four.activation_bytes == pytest.approx(one.activation_bytes / 4, rel=0.01)
+    assert one.accumulator_bytes == 0 and four.accumulator_bytes == one.per_device_bytes["params"]  # float32 model
+    assert four.flops == one.flops
+    assert moved4[("all-reduce", ("data",))] == moved1[("all-reduce", ("data",))]
+    for kind in ("all-gather", "reduce-scatter"):
+        assert moved4[(kind, ("fsdp",))] == pytest.approx(4 * moved1[(kind, ("fsdp",))])
+
+
+@pytest.mark.slow
+def test_cli_run_accumulated_is_checked_against_one_device(capsys):
+    code, out, _ = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8", "--strategy", "dp",
+        "--accumulate", "2", "--steps", "2", "--check", "--json", "--batch-size", "16",
+    )  # fmt: skip
+    result = json.loads(out)
+    assert code == 0 and result["max_abs_diff"] <= 1e-4
+    assert "gradients accumulated over 2 microbatches" in result["plan"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "--accumulate must be a positive integer, got 0"),
+        ("-1", "--accumulate must be a positive integer, got -1"),
+        ("two", "argument --accumulate: invalid int value: 'two'"),
+        ("3", "a batch of 32 cannot be split into 3 microbatches"),
+    ],
+)
+def test_cli_accumulate_mistakes(capsys, value, message):
+    code, _, err = run_cli(capsys, "plan", "--mesh", "data=8", "--layers", "1", f"--accumulate={value}")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
