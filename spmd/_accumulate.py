@@ -20,6 +20,9 @@ split parameters (FSDP) and model axes stay Auto. Each device scans over its row
 accumulates its local gradients in float32 and returns the un-reduced sum, stacked on a new leading dimension
 split over the manual axes. Outside, that dimension is summed and the training step constrains the result to the
 gradients' planned layout: XLA emits one all-reduce per step (a reduce-scatter for ZeRO-2's split gradients).
+Inside, activation constraints by logical name leave the manual axes out (:func:`spmd.constrain` does; flax's
+logical rules are narrowed the same way); a model whose own bare ``PartitionSpec`` names a manual axis cannot
+run there, and is accumulated by the generic scan below, with a :class:`spmd.PlanWarning` saying so.
 
 Under FSDP the parameters are gathered for every microbatch (its forward and backward need them), so the
 gathers run K times per step; the accumulator keeps the parameters' FSDP layout, so each microbatch's gradient
@@ -36,16 +39,18 @@ Uneven shares are planned for one microbatch (``batch / K`` examples).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd._executor import Executor, Task
 from spmd._keys import StepKey, named
-from spmd._rules import PlanError
+from spmd._rules import PlanError, PlanWarning, user_stacklevel
 
 __all__ = ["accumulated", "check_accumulate", "check_batch", "free_batch_axes", "microbatches"]
 
@@ -193,13 +198,30 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
             place = lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(context, s))  # noqa: E731
             return jax.tree.map(place, tree, specs)
 
-        total, acc, _ = _scan(value_and_grad, params, micro, draw, k, layout if specs is not None else lambda g: g)
+        with nn.logical_axis_rules(_without_axes(nn.get_logical_axis_rules(), set(manual))):
+            total, acc, _ = _scan(value_and_grad, params, micro, draw, k, layout if specs is not None else lambda g: g)
         # Each device's loss is the mean over its own rows: the whole batch's mean is the mean over the shards.
         scale = 1.0 / (k * shards)
         return (total * scale)[None], jax.tree.map(lambda a: (a * scale)[None], acc)
 
+    generic = _scanned(value_and_grad, task, k, splits=True)
+
     def run(params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
         _check(batch, k, task, True)
+        try:
+            return manual_run(params, batch, draw)
+        except ValueError as e:  # the model's own constraint names a manual axis (a bare PartitionSpec over one)
+            warnings.warn(
+                f"gradient accumulation: the model constrains a layout over the batch axes {list(manual)} itself "
+                f"({str(e).splitlines()[0][:160]}), which a program manual over them cannot take; its gradients "
+                f"are reduced once per microbatch instead of once per step. Constrain activations by logical "
+                f"names (spmd.constrain, flax's logical constraints) to reduce once",
+                PlanWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return generic(params, batch, draw)
+
+    def manual_run(params: Any, batch: Any, draw: StepKey | None) -> tuple[jax.Array, Any]:
         rows = PartitionSpec(None, lead)
         local = jax.shard_map(
             body,
@@ -216,6 +238,20 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
         return jnp.sum(total), grads
 
     return run
+
+
+def _without_axes(rules: Sequence[tuple[str, Any]], manual: set[str]) -> list[tuple[str, Any]]:
+    """flax's logical rules with the manual axes left out: inside the program each device holds its own rows, so
+    a logical constraint (flax's ``with_logical_constraint``) may name only the other axes.
+
+    >>> _without_axes([("batch", ("data", "fsdp")), ("mlp", "tensor"), ("embed", "data")], {"data"})
+    [('batch', 'fsdp'), ('mlp', 'tensor'), ('embed', None)]
+    """
+    out = []
+    for name, axes in rules:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in manual)
+        out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return out
 
 
 def _auto_specs(task: Task, manual: set[str]) -> Any:

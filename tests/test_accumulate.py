@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 import spmd
 import strategies
@@ -200,3 +201,43 @@ def test_cli_run_accumulated_is_checked_against_one_device(capsys):
 def test_cli_accumulate_mistakes(capsys, value, message):
     code, _, err = run_cli(capsys, "plan", "--mesh", "data=8", "--layers", "1", f"--accumulate={value}")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+class _Constrained(nn.Module):
+    """A model constraining its hidden layer by flax's logical names, or by a bare PartitionSpec over ``data``."""
+
+    bare: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(x)
+        if self.bare:
+            h = jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec("data", None))
+        else:
+            h = nn.with_logical_constraint(h, ("batch", "mlp"))
+        return nn.Dense(1)(nn.relu(h))[:, 0]
+
+
+@pytest.mark.parametrize("bare", [False, True], ids=["logical", "bare-spec"])
+def test_a_model_constraining_its_own_layout_accumulates_equal_to_one_device(bare):
+    model, mesh = _Constrained(bare), spmd.make_mesh({"data": 8})
+    init = lambda rng: model.init(rng, jnp.ones((8, 4)))  # noqa: E731
+    with jax.set_mesh(mesh):
+        params = jax.eval_shape(init, jax.random.key(0))
+    loss = lambda p, b: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)  # noqa: E731
+    batch = {"x": jax.random.normal(jax.random.key(1), (32, 4)), "y": jnp.arange(32.0) / 32}
+
+    def run(plan):
+        step = spmd.TrainStep(loss, optax.sgd(0.1), plan, mesh, params=params)
+        state, value = step(step.init(init, jax.random.key(0)), batch)
+        return float(value), state.params, collectives(step.compile(batch).as_text(), mesh)
+
+    whole = run(strategies.data_parallel())
+    if bare:  # the program cannot run manual over data: reduced per microbatch, and said so
+        with pytest.warns(spmd.PlanWarning, match="reduced once per microbatch"):
+            accumulated = run(strategies.data_parallel().with_accumulation(2))
+    else:
+        accumulated = run(strategies.data_parallel().with_accumulation(2))
+        assert sum(c.bytes for c in accumulated[2]) == sum(c.bytes for c in whole[2])
+    np.testing.assert_allclose(accumulated[0], whole[0], rtol=1e-6)
+    assert_trees_close(accumulated[1], whole[1])

@@ -110,3 +110,14 @@ def test_explicit_axes_script():
     for row in rows:  # one compiled program on either kind of mesh: the same collectives and memory
         cells = [cell.strip() for cell in row.split("│")[1:-1]]
         assert cells[2] == "identical" and cells[3] == cells[4] and cells[5] == cells[6], row
+
+
+@pytest.mark.slow
+def test_accumulation_script():
+    out = run_script("accumulation.py", "--model", "gpt-tiny", "--layers", "2", "--accumulate", "1,2,4")
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == {"1", "2", "4"}, out
+    temps = [float(rows[k][1]) for k in ("1", "2", "4")]
+    assert temps[0] == 1.0 and temps[0] > temps[1] > temps[2], out  # temporaries fall with K
+    for k in ("2", "4"):  # the gradients all-reduced once per step: the same bytes as K = 1
+        assert rows[k][3].strip().endswith("(1.00×)"), rows[k]
