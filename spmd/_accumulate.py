@@ -38,6 +38,7 @@ Uneven shares are planned for one microbatch (``batch / K`` examples).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -52,7 +53,15 @@ from spmd._executor import Executor, Task
 from spmd._keys import StepKey, named
 from spmd._rules import PlanError, PlanWarning, user_stacklevel
 
-__all__ = ["accumulated", "check_accumulate", "check_batch", "free_batch_axes", "microbatches"]
+__all__ = [
+    "accumulated",
+    "check_accumulate",
+    "check_batch",
+    "free_batch_axes",
+    "merged",
+    "microbatches",
+    "with_accumulation",
+]
 
 
 def check_accumulate(k: Any, api: str = "Plan.with_accumulation") -> int:
@@ -67,6 +76,31 @@ def check_accumulate(k: Any, api: str = "Plan.with_accumulation") -> int:
             f"e.g. 4 (1 turns accumulation off)"
         )
     return k
+
+
+def with_accumulation(plan: Any, k: int) -> Any:
+    """``Plan.with_accumulation(k)``: each step runs its batch as ``k`` microbatches and accumulates their
+    gradients, reduced once per step; the batch size must split into ``k`` microbatches the batch axes divide.
+
+    >>> import spmd
+    >>> spmd.Plan(batch_axes=("data",)).with_accumulation(4).describe()
+    'batch over data; parameters replicated; gradients accumulated over 4 microbatches'
+    """
+    return dataclasses.replace(plan, accumulate=check_accumulate(k))
+
+
+def merged(k: int, m: int) -> int:
+    """The accumulation of two plans added together: one that accumulates wins; two different ones are an error.
+
+    >>> merged(1, 4), merged(4, 4)
+    (4, 4)
+    """
+    if k > 1 and m > 1 and k != m:
+        raise PlanError(
+            f"Plan + Plan: one plan accumulates gradients over {k} microbatches, the other over {m}; a step "
+            f"accumulates once: keep one (e.g. plan.with_accumulation({max(k, m)}))"
+        )
+    return max(k, m)
 
 
 def check_batch(rows: int, k: int, axes: Mapping[str, int]) -> None:

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
-from spmd._accumulate import check_accumulate
+from spmd._accumulate import check_accumulate, merged, with_accumulation
 from spmd._layout import Layout
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
@@ -95,12 +95,6 @@ class Plan:
         if a is not None and b is not None and a != b:
             what = f"two {a.source} parts in one plan" if type(a) is type(b) else f"{a.source} and {b.source}"
             raise PlanError(f"{what}: {a.describe()} and {b.describe()}; a plan runs one execution mode, keep one")
-        k, m = self.accumulate, other.accumulate
-        if k > 1 and m > 1 and k != m:
-            raise PlanError(
-                f"one plan accumulates gradients over {k} microbatches, the other over {m}; a step accumulates "
-                f"once: keep one (e.g. plan.with_accumulation({max(k, m)}))"
-            )
         return Plan(
             parts=self.parts + other.parts,
             batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
@@ -109,7 +103,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
-            accumulate=max(k, m),
+            accumulate=merged(self.accumulate, other.accumulate),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -141,14 +135,7 @@ class Plan:
             )
         return dataclasses.replace(self, parts=parts)
 
-    def with_accumulation(self, k: int) -> Plan:
-        """Each step runs its batch as ``k`` microbatches and accumulates their gradients, reduced once per step
-        (:mod:`spmd._accumulate`); the batch size must split into ``k`` microbatches the batch axes divide.
-
-        >>> Plan(batch_axes=("data",)).with_accumulation(4).describe()
-        'batch over data; parameters replicated; gradients accumulated over 4 microbatches'
-        """
-        return dataclasses.replace(self, accumulate=check_accumulate(k))
+    with_accumulation = with_accumulation
 
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors.
@@ -164,25 +151,14 @@ class Plan:
         >>> Plan(batch_axes=("data",)).describe()
         'batch over data; parameters replicated'
         """
-        parts: list[str] = []
-        for part in self.parts:
-            if part.describe() not in parts:
-                parts.append(part.describe())
         ex = self.execution
-        shown = (
-            f"; {' + '.join(parts)}"
-            if parts
-            else ""
-            if ex is not None and ex.splits_state
-            else "; parameters replicated"
-        )
+        parts = list(dict.fromkeys(part.describe() for part in self.parts))  # each once, in order
+        bare = "" if ex is not None and ex.splits_state else "; parameters replicated"
+        shown = f"; {' + '.join(parts)}" if parts else bare
         remat = "; layers rematerialised" if self.remat else ""
+        mode = f"; {ex.describe()}" if ex is not None else ""
         accumulate = f"; gradients accumulated over {self.accumulate} microbatches" if self.accumulate > 1 else ""
-        return (
-            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
-            + (f"; {ex.describe()}" if ex is not None else "")
-            + accumulate
-        )
+        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}{mode}{accumulate}"
 
     def __str__(self) -> str:
         return self.describe()
