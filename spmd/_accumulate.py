@@ -170,7 +170,34 @@ def accumulated(executor: Executor, task: Task, k: int) -> Executor:
         value_and_grad = _reduced_once(executor.value_and_grad, task, k, manual)
     else:
         value_and_grad = _scanned(executor.value_and_grad, task, k, splits=executor.splits_batch)
+        return executor._replace(value_and_grad=value_and_grad, costs=_costs(executor.costs, k))
     return executor._replace(value_and_grad=value_and_grad)
+
+
+def _costs(costs: Callable, k: int) -> Callable:
+    """An execution mode's cost model under accumulation: what it contributes for one microbatch, its traffic run
+    ``k`` times (the scan runs the whole mode once per microbatch).
+
+    >>> import jax, spmd
+    >>> from spmd.costmodel import Contribution, Traffic, Workload
+    >>> seen = lambda layout, batch, w: Contribution((Traffic("all-reduce", ("data",), w.batch, w.batch),), 1.0)
+    >>> part = _costs(seen, 4)(None, {"x": jax.ShapeDtypeStruct((32, 2), "float32")}, Workload(32, 8))
+    >>> part.traffic[0].bytes, part.traffic[0].count, part.activation_bytes
+    (32, 4, 1.0)
+    """
+
+    def run(layout: Any, batch: Any, workload: Any) -> Any:
+        shrink = lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype)  # noqa: E731
+        micro = None if batch is None else jax.tree.map(shrink, batch)
+        part = costs(layout, micro, dataclasses.replace(workload, batch=max(workload.batch // k, 1)))
+        if part.traffic is None:
+            return part
+        times = lambda t: dataclasses.replace(  # noqa: E731
+            t, bytes=t.bytes * k, traffic_bytes=t.traffic_bytes * k, count=t.count * k
+        )
+        return dataclasses.replace(part, traffic=tuple(map(times, part.traffic)))
+
+    return run
 
 
 def _check(batch: Any, k: int, task: Task, splits: bool) -> None:
