@@ -19,7 +19,7 @@ from tests.conftest import assert_trees_close, run_cli, train_steps
 STEPS, BATCH = 2, 32
 
 
-def _model(layers=2):
+def _model(layers=1):
     return models.get("gpt-tiny", layers=layers)
 
 
