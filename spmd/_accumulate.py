@@ -26,9 +26,9 @@ run there, and is accumulated by the generic scan below, with a :class:`spmd.Pla
 
 Under FSDP the parameters are gathered for every microbatch (its forward and backward need them), so the
 gathers run K times per step; the accumulator keeps the parameters' FSDP layout, so each microbatch's gradient
-is reduce-scattered over the FSDP axes into it (K reduce-scatters per step, each 1/K of the rows) rather than
-kept whole, which would cost a full unsharded gradient per device; the reduction over the other batch axes still
-runs once.
+is reduce-scattered over the FSDP axes into it (K reduce-scatters per step, each of the whole gradient buffer)
+rather than kept whole, which would cost a full unsharded float32 gradient per device; the reduction over the other
+batch axes still runs once (measured in ``benchmarks/accumulation.py``).
 
 Execution modes (pipelines, uneven data, subnetworks) run their own ``shard_map`` programs and reduce inside
 them, so their gradient is accumulated by a plain scan over the executor's ``value_and_grad``: correct, but
@@ -272,6 +272,8 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
         try:
             return manual_run(params, batch, draw)
         except ValueError as e:  # the model's own constraint names a manual axis (a bare PartitionSpec over one)
+            if "Auto axes" not in str(e) and "Manual" not in str(e):
+                raise
             warnings.warn(
                 f"gradient accumulation: the model constrains a layout over the batch axes {list(manual)} itself "
                 f"({str(e).splitlines()[0][:160]}), which a program manual over them cannot take; its gradients "
@@ -295,7 +297,7 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
         total, acc = local(params, microbatches(batch, k), draw)
         # Summing the dimension split over the manual axes is the step's one reduction; the training step
         # constrains the result to the gradients' layout, so it lands there directly (all-reduce, reduce-scatter).
-        grads = jax.tree.map(lambda a, p: jnp.sum(a, axis=0).astype(jnp.result_type(p)), acc, params)  # plain
+        grads = jax.tree.map(lambda a, p: jnp.sum(a, axis=0).astype(jnp.result_type(p)), acc, params)
         return jnp.sum(total), grads
 
     return run
