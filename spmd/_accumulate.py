@@ -144,8 +144,16 @@ def free_batch_axes(task: Task) -> tuple[str, ...]:
     ('data',)
     """
     sizes = dict(task.mesh.shape) if hasattr(task.mesh, "shape") else dict(task.mesh)
-    split = {a for row in task.plan.resolve(task.params, sizes).leaves for a in row.axes}
+    split = {a for row in _layout(task).leaves for a in row.axes}
     return tuple(a for a in task.plan.batch_axes if a not in split and sizes[a] > 1)
+
+
+def _layout(task: Task) -> Any:
+    """The parameters' layout under the plan. The training step resolves it again and warns there, once."""
+    sizes = dict(task.mesh.shape) if hasattr(task.mesh, "shape") else dict(task.mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        return task.plan.resolve(task.params, sizes)
 
 
 def accumulated(executor: Executor, task: Task, k: int) -> Executor:
@@ -320,7 +328,7 @@ def _without_axes(rules: Sequence[tuple[str, Any]], manual: set[str]) -> list[tu
 def _auto_specs(task: Task, manual: set[str]) -> Any:
     """The parameters' specs without the manual axes (None when no parameter is split at all, or block alignment
     pads one: the accumulator then takes whatever layout the compiler gives it)."""
-    layout = task.plan.resolve(task.params, dict(task.mesh.shape))
+    layout = _layout(task)
     if not any(row.axes for row in layout.leaves) or any(row.padded_shape for row in layout.leaves):
         return None
 
