@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
+from spmd._accumulate import check_accumulate, merged, with_accumulation
 from spmd._layout import Layout
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
@@ -41,7 +42,8 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
+    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`); ``accumulate``
+    runs each step's batch as that many microbatches, gradients reduced once per step (:meth:`with_accumulation`).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -59,6 +61,10 @@ class Plan:
     remat: bool = False
     execution: ExecutionSpec | None = None
     offload: tuple[str, ...] = ()  # parts of the training state kept in host memory (strategies.offload)
+    accumulate: int = 1
+
+    def __post_init__(self) -> None:
+        check_accumulate(self.accumulate, "Plan(accumulate=...)")
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -99,6 +105,7 @@ class Plan:
             remat=self.remat or other.remat,
             execution=a or b,
             offload=_merge_unique(self.offload, other.offload),
+            accumulate=merged(self.accumulate, other.accumulate),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -130,6 +137,8 @@ class Plan:
             )
         return dataclasses.replace(self, parts=parts)
 
+    with_accumulation = with_accumulation
+
     def with_strict(self, strict: bool = True) -> Plan:
         """Strict plans turn rules that match nothing, and arrays that no part covers, into errors.
 
@@ -144,21 +153,15 @@ class Plan:
         >>> Plan(batch_axes=("data",)).describe()
         'batch over data; parameters replicated'
         """
-        parts: list[str] = []
-        for part in self.parts:
-            if part.describe() not in parts:
-                parts.append(part.describe())
         ex = self.execution
-        shown = (
-            f"; {' + '.join(parts)}"
-            if parts
-            else ""
-            if ex is not None and ex.splits_state
-            else "; parameters replicated"
-        )
-        tail = ("; layers rematerialised" if self.remat else "") + (f"; {ex.describe()}" if ex is not None else "")
-        tail += "".join(f"; {part} state offloaded to host" for part in self.offload)
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{tail}"
+        parts = list(dict.fromkeys(part.describe() for part in self.parts))  # each once, in order
+        bare = "" if ex is not None and ex.splits_state else "; parameters replicated"
+        shown = f"; {' + '.join(parts)}" if parts else bare
+        remat = "; layers rematerialised" if self.remat else ""
+        mode = f"; {ex.describe()}" if ex is not None else ""
+        accumulate = f"; gradients accumulated over {self.accumulate} microbatches" if self.accumulate > 1 else ""
+        offload = "".join(f"; {part} state offloaded to host" for part in self.offload)
+        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}{mode}{accumulate}{offload}"
 
     def __str__(self) -> str:
         return self.describe()

@@ -13,6 +13,7 @@ import optax
 from jax.extend.core import subjaxprs
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd._accumulate import accumulated
 from spmd._context import activate, initialising
 from spmd._executor import Executor, Task, plain
 from spmd._keys import BaseKey, StepKey, named
@@ -118,7 +119,8 @@ class TrainStep:
         self.skip_nonfinite = skip_nonfinite
         self.model_params = _abstract(params)  # the model's own layout, with its annotations
         task = Task(loss_fn, plan, self.traced_mesh, self.model_params, staged, narrow)
-        self.executor: Executor = plain(task) if plan.execution is None else plan.execution.executor(task)
+        built = plain(task) if plan.execution is None else plan.execution.executor(task)
+        self.executor: Executor = accumulated(built, task, plan.accumulate)  # the gradient wrapped, if it asks
         if self.draws and not self.executor.keyed:
             raise TypeError(
                 f"TrainStep: the loss takes key= or step=, but the plan's {plan.execution.describe()} does not call "

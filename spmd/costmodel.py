@@ -19,6 +19,9 @@ whether that axis is a batch axis — never from which plan part made the split 
   block each way), ATP's 2-D tensor parallelism, and sequence parallelism, where each such all-reduce becomes a
   reduce-scatter and an all-gather and the weights the sequence shards share reduce their gradients over it.
   Experts split over an axis send their tokens there and back by all-to-all.
+- Gradient accumulation (``plan.accumulate`` = K): one microbatch's activations kept at a time (1/K), the
+  gradient reductions once per step, the FSDP gathers and reduce-scatters once per microbatch, and a float32
+  accumulated gradient in the parameters' layout.
 - Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where remat recomputes it,
   plus attention's score and value products; split over the devices that share the work.
 
@@ -63,6 +66,7 @@ __all__ = [
     "StepTime",
     "Traffic",
     "Workload",
+    "accumulator_bytes",
     "activation_bytes",
     "activation_traffic",
     "compare",
@@ -253,6 +257,9 @@ def data_parallel_traffic(
       all-gather the updated shards;
     - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer.
 
+    With ``plan.accumulate`` = K, the FSDP gathers and reduce-scatters run once per microbatch (K times, each of
+    the whole buffer), the other reductions once per step (:mod:`spmd._accumulate`).
+
     ``stage_uses``: in a pipeline, how many times per step a device gathers its stages' FSDP-split layers and
     reduces their gradients, in whole stacks (see ``spmd.pipeline.Pipeline.weight_uses``): every schedule action uses
     the weights afresh, rather than once forward and once backward.
@@ -285,12 +292,15 @@ def data_parallel_traffic(
             # FSDP gathers them twice; an embedding table is gathered once, since the gradient of a lookup does
             # not need the table.
             times = 2 if (plan.remat or layers > 1) and not p.path.endswith("embedding") else 1
-            times = stage_uses[0] if staged else times
+            times = (stage_uses[0] if staged else times) * plan.accumulate  # every accumulated microbatch gathers
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
         grad_buffer = local * n_fsdp
         if fsdp or zero2:
             reductions = stage_uses[1] if staged and fsdp else 1
+            # Accumulation keeps the gradient in the parameters' FSDP layout: each microbatch reduce-scatters
+            # into it; the other batch axes reduce once per step.
+            reductions *= plan.accumulate if fsdp else 1
             totals.add(
                 "reduce-scatter", fsdp | zero2, reductions * grad_buffer, (layers if fsdp else 1) * reductions,
                 combined=True,
@@ -687,14 +697,15 @@ class Estimate:
     activation_note: str = "activations kept for backward"
     host_bytes: int = 0  # per device, of state offloaded to host memory (not in per_device_bytes' total)
     host_traffic: tuple[Traffic, ...] = ()  # offloaded state moved to the device and back, per step
+    accumulator_bytes: int = 0  # the float32 accumulated gradient, with plan.accumulate > 1
 
     @property
     def memory_bytes(self) -> int:
         """What must fit in a device's memory at the step's peak: the model state, the kept activations (or an
         offloaded optimizer state brought in for the update, if larger), and the optimizer's update (a temporary
-        the size of the parameters)."""
+        the size of the parameters) and any accumulated gradient."""
         kept = max(self.activation_bytes, self.host_bytes)
-        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + kept
+        return self.per_device_bytes["total"] + self.per_device_bytes["params"] + kept + self.accumulator_bytes
 
     @property
     def comm_bytes(self) -> int:
@@ -713,12 +724,12 @@ class Estimate:
         >>> e.step_memory(10)
         {'argument_bytes': 38, 'activation_bytes': 100, 'padding_bytes': 0, 'temp_bytes': 116, 'peak_bytes': 154}
         """
-        state = self.per_device_bytes
+        state, extra = self.per_device_bytes, self.accumulator_bytes
         out = {
             "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
             "activation_bytes": self.activation_bytes,
             "padding_bytes": self.padding_bytes,
-            "temp_bytes": state["grads"] + state["params"] + max(self.activation_bytes, self.host_bytes),
+            "temp_bytes": state["grads"] + state["params"] + max(self.activation_bytes, self.host_bytes) + extra,
         }
         out |= {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
         if self.host_bytes:
@@ -730,6 +741,7 @@ class Estimate:
         return {
             "per_device_bytes": self.per_device_bytes,
             "activation_bytes": self.activation_bytes,
+            "accumulator_bytes": self.accumulator_bytes,
             "memory_bytes": self.memory_bytes,
             "padding_bytes": self.padding_bytes,
             "comm_bytes_per_step": self.comm_bytes,
@@ -786,8 +798,9 @@ def estimate_layout(
         moved = data_parallel_traffic(layout, plan, mesh_shape)
     moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
     kept = contribution.activation_bytes
-    if kept is None:
-        kept = activation_bytes(layout.params.leaves, plan, mesh_shape, workload)
+    if kept is None:  # accumulation keeps one microbatch's activations at a time
+        micro = dataclasses.replace(workload, batch=max(workload.batch // plan.accumulate, 1))
+        kept = activation_bytes(layout.params.leaves, plan, mesh_shape, micro)
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
     state, host = model_state_bytes(layout), 0
     if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
@@ -804,6 +817,7 @@ def estimate_layout(
         activation_note=contribution.activation_note,
         host_bytes=host,
         host_traffic=streamed,
+        accumulator_bytes=accumulator_bytes(layout, plan),
     )
 
 
@@ -819,6 +833,21 @@ def host_traffic(offloaded_bytes: int) -> tuple[Traffic, ...]:
     if offloaded_bytes <= 0:
         return ()
     return (Traffic(HOST_TRANSFER, (), 2 * offloaded_bytes, 2 * offloaded_bytes, 2),)
+
+
+def accumulator_bytes(layout: StateLayout, plan: Plan) -> int:
+    """Bytes per device of the accumulated gradient (:mod:`spmd._accumulate`): a float32 array per parameter,
+    in the parameter's layout; none without accumulation.
+
+    >>> import jax, optax, spmd
+    >>> plan = spmd.Plan(batch_axes=("data",)).with_accumulation(4)
+    >>> layout = resolve_state(plan, {"w": jax.ShapeDtypeStruct((256,), "bfloat16")}, optax.sgd(0.1), {"data": 8})
+    >>> accumulator_bytes(layout, plan)
+    1024
+    """
+    if plan.accumulate == 1:
+        return 0
+    return sum(r.bytes_per_device * 4 // jnp.dtype(r.dtype).itemsize for r in layout.params.leaves)
 
 
 def estimate(

@@ -13,6 +13,7 @@ step's :class:`StepKey` to the loss with :func:`call_loss`.
 (True, frozenset({'data'}))
 """
 
+from spmd._accumulate import accumulated, check_batch, microbatches
 from spmd._executor import Executor, Summary, Task, identity, plain
 from spmd._keys import StepKey, call_loss
 from spmd._pipeline import pipeline_executor
@@ -21,6 +22,9 @@ from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Sh
 from spmd._subnet import Ownership, Subnetworks, ownership, subnet_executor
 
 __all__ = [
+    "accumulated",
+    "check_batch",
+    "microbatches",
     "GRANULARITIES",
     "MASKINGS",
     "ExecutionSpec",

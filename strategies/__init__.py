@@ -20,6 +20,7 @@ from typing import Any
 from spmd import Plan, costmodel
 from spmd.devices import Profile
 from strategies import hetero
+from strategies.accumulate import accumulate
 from strategies.data_parallel import data_parallel
 from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
@@ -34,6 +35,7 @@ __all__ = [
     "CHOSEN",
     "REGISTRY",
     "Context",
+    "accumulate",
     "choose_tensor_2d",
     "data_parallel",
     "expert_parallel",

@@ -122,3 +122,14 @@ def test_offload_script():
         plain, off = rows[name, "-"], rows[name, "optimizer"]
         assert plain[3] == "0 B" and off[3] == off[4] != "0 B", out  # host arguments: compiled == analytic
         assert off[5] == "1.000" and float(off[6]) < 1.0, out  # the whole optimizer state left the device
+
+
+@pytest.mark.slow
+def test_accumulation_script():
+    out = run_script("accumulation.py", "--model", "gpt-tiny", "--layers", "2", "--accumulate", "1,2,4")
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == {"1", "2", "4"}, out
+    temps = [float(rows[k][1]) for k in ("1", "2", "4")]
+    assert temps[0] == 1.0 and temps[0] > temps[1] > temps[2], out  # temporaries fall with K
+    for k in ("2", "4"):  # the gradients all-reduced once per step: the same bytes as K = 1
+        assert rows[k][3].strip().endswith("(1.00×)"), rows[k]

@@ -27,6 +27,7 @@ DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+f
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
     "microbatch", "processes", "devices_per_process", "checkpoint_every", "microbatches", "virtual", "stages",
+    "accumulate",
 )  # fmt: skip
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators take 32-bit seeds
 MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program takes minutes to build
@@ -68,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
         ("suggest", "rank meshes and strategies by the cost model; confirm by compiling"),
     ):
         _model_flags(sub.add_parser(name, help=text))
+        if name != "suggest":  # suggest ranks plans of its own
+            sub.choices[name].add_argument(
+                "--accumulate", type=int, default=1, help="microbatches per step, gradients reduced once (default 1)"
+            )
     _run_flags(sub.choices["run"])
     _compare_flags(sub.choices["compare"], sub.choices["suggest"])
     launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")

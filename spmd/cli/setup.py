@@ -20,7 +20,7 @@ from spmd._context import initialising
 from spmd._mesh import auto_twin
 from spmd.cli.parser import UsageError
 from spmd.devices import Profile, parse_bytes
-from spmd.execution import PipelineSpec
+from spmd.execution import PipelineSpec, Shares
 from spmd.pipeline import Schedule
 
 __all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg", "setup"]
@@ -87,6 +87,12 @@ def setup(
     model, params = _load(name, args, mesh)
     hardware, optimizer = hardware_of(args, profile, mesh.axis_names), optimizer_of(args)
     plan = _plan(args, strategy or args.strategy, model, params, mesh, hardware, optimizer, profile)
+    accumulate = getattr(args, "accumulate", 1)
+    if accumulate > 1:
+        plan = plan.with_accumulation(accumulate)
+        # Uneven shares take the whole (micro)batch on every device; other modes split it over the batch axes.
+        split = {} if isinstance(plan.execution, Shares) else {a: mesh.shape[a] for a in plan.batch_axes}
+        spmd.execution.check_batch(args.batch_size, accumulate, split)
     if isinstance(plan.execution, PipelineSpec) and model.staged is None:
         raise UsageError(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
@@ -128,7 +134,8 @@ def _plan(
     if set(strategy.split("+")) & set(strategies.CHOSEN) or uneven is not None:
         context = strategies.Context(
             params,
-            costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len),
+            # What one step runs at once: one accumulated microbatch (uneven shares are planned for it).
+            costmodel.Workload(batch=args.batch_size // getattr(args, "accumulate", 1), seq_len=model.config.seq_len),
             hardware,
             optimizer,
             getattr(args, "memory_per_device", None),
