@@ -19,8 +19,12 @@ whether that axis is a batch axis — never from which plan part made the split 
   block each way), ATP's 2-D tensor parallelism, and sequence parallelism, where each such all-reduce becomes a
   reduce-scatter and an all-gather and the weights the sequence shards share reduce their gradients over it.
   Experts split over an axis send their tokens there and back by all-to-all.
-- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where remat recomputes it,
-  plus attention's score and value products; split over the devices that share the work.
+- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where the plan's remat policy
+  recomputes it (``full``: every matmul of a layer; ``dots``: none; ``names``/``offload``: those whose outputs
+  are not named), plus attention's score and value products; split over the devices that share the work.
+- Activations kept per policy: every layer's (no remat); each layer's input and one layer live (``full``); those
+  plus the matmul outputs (``dots``) or the named ones (``names``); with ``offload`` the named ones go to host
+  memory, counted apart (:func:`host_activation_bytes`).
 
 >>> import jax, optax, spmd
 >>> from spmd import costmodel
@@ -63,6 +67,7 @@ __all__ = [
     "Traffic",
     "Workload",
     "activation_bytes",
+    "host_activation_bytes",
     "activation_traffic",
     "compare",
     "data_parallel_traffic",
@@ -83,6 +88,22 @@ __all__ = [
     "subnet_traffic",
     "traffic",
 ]
+
+# What the built-in models call each matmul's output (``checkpoint_name``, spmd._remat.NAMES), by the module
+# holding the weight: a names policy keeps those it names. Other models' matmuls count as unnamed.
+_OUTPUT_NAMES = {"query": "query_proj", "key": "key_proj", "value": "value_proj", "out": "out_proj"}
+_OUTPUT_NAMES |= {"wi": "mlp_hidden", "wo": "mlp_out"}
+
+
+def _output_name(m: Matmul) -> str | None:
+    parts = m.row.path.split("/")
+    return _OUTPUT_NAMES.get(parts[-2]) if len(parts) > 1 else None
+
+
+def _recomputed(plan: Plan, m: Matmul) -> bool:
+    """Whether the plan's remat policy runs ``m`` again in the backward pass (see :attr:`Matmul.recomputed`)."""
+    return m.recomputed and plan.remat.recomputes(_output_name(m))
+
 
 # A compiled figure more than this far from the analytic one is flagged in the report.
 TOLERANCE = 0.10
@@ -411,7 +432,7 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
         output = _dim_axes(m.row, m.out_dims) & model_axes
         if contraction:
             buffer = rows * m.local(m.out_dims, model_axes, sizes) * workload.act_bytes
-            forwards = 1 + (plan.remat and m.recomputed)
+            forwards = 1 + _recomputed(plan, m)
             all_reduce(contraction, forwards * m.layers * buffer, forwards * m.layers)
         if output and not m.lookup:
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
@@ -497,12 +518,14 @@ def flops_per_device(
         rows = _rows_of(m, plan, sizes, workload)
         ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.in_dims + m.out_dims) & model_axes)
         full = math.prod(m.row.shape[d] for d in m.in_dims + m.out_dims)
-        passes = 3 + (plan.remat and m.recomputed)  # forward, input and weight gradients (+ recomputed forward)
+        passes = 3 + _recomputed(plan, m)  # forward, input and weight gradients (+ recomputed forward)
         total += passes * 2 * rows * full * m.layers / ways
     tokens = _tokens_per_device(plan, sizes, workload)
     for m in attention_parents(ms).values():
         width = m.local(m.out_dims, model_axes, sizes)
-        passes = 3 + plan.remat  # scores and their product with the values, recomputed with the layer
+        # Scores and their product with the values; a policy keeping no untagged matmul output recomputes the
+        # scores (the probabilities are not kept), and the product unless attention's output is kept.
+        passes = 3 + (plan.remat.recomputes(None) + plan.remat.recomputes("attn_out")) / 2
         total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
     return total
 
@@ -536,12 +559,14 @@ def activation_bytes(
     params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
 ) -> float:
     """An estimate of the activations one device keeps for the backward pass, per microbatch (the device's
-    share of the batch).
+    share of the batch), in device memory.
 
     Per layer, every matmul's input (inputs shared by sibling projections, like ``query``/``key``/``value``,
     counted once) and output, plus attention's probabilities; the logits three times (with their softmax and
-    its gradient). Under ``plan.remat`` only each layer's input is
-    kept (the residual, split like it) and one layer's activations are live again while it is recomputed.
+    its gradient). Under a remat policy (``plan.remat``) the stacked layers keep each layer's input (the
+    residual, split like it) and what the policy saves (``dots``: every matmul output and the attention scores;
+    ``names``: the named matmul outputs; ``offload``: nothing more, the named ones go to the host, see
+    :func:`host_activation_bytes`), and one layer's activations are live again while it is recomputed.
 
     >>> import spmd, numpy as np
     >>> from flax import linen as nn
@@ -549,20 +574,47 @@ def activation_bytes(
     >>> activation_bytes(rows.leaves, spmd.Plan(), {}, Workload(1, 16))  # (16 · 32 outputs + 16 · 8 inputs) · 4
     2560.0
     """
+    return _activations(params, plan, mesh_shape, workload)[0]
+
+
+def host_activation_bytes(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> float:
+    """The activations one device moves to host memory for the backward pass (an ``offload`` remat policy's
+    named matmul outputs, every stacked layer's), per microbatch; 0 under other policies.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> wi = nn.LogicallyPartitioned(np.zeros((2, 8, 32)), ("layers", "embed", "mlp"))
+    >>> rows = spmd.Plan().resolve({"mlp": {"wi": {"kernel": wi}}}).leaves
+    >>> host_activation_bytes(rows, spmd.Plan(remat="offload:mlp_hidden"), {}, Workload(1, 16))  # 2 · 16 · 32 · 4
+    4096.0
+    """
+    return _activations(params, plan, mesh_shape, workload)[1]
+
+
+def _activations(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> tuple[float, float]:
+    """(device, host) bytes of the kept activations: see :func:`activation_bytes`."""
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
     ms = matmuls(params)
     seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes))
     tokens = _tokens_per_device(plan, sizes, workload)
     per_layer: dict[int, float] = {}  # stacked layer count -> elements per layer
+    saved: dict[int, float] = {}  # stacked layer count -> elements per layer the remat policy keeps
     residual: dict[int, float] = {}
     inputs_seen: set[tuple[str, tuple]] = set()
+    remat = plan.remat
     for m in ms:
         if m.lookup:
             continue
         rows = _rows_of(m, plan, sizes, workload)
         names = tuple(m.row.names[d] for d in m.in_dims) if m.row.names else m.in_dims
         elements = rows * m.local(m.out_dims, model_axes, sizes)
+        if not remat.recomputes(_output_name(m)):
+            saved[m.layers] = saved.get(m.layers, 0.0) + elements
         if m.logits:
             elements *= 3  # the logits, their softmax and its gradient are live together in the loss
         if (m.parent, names) not in inputs_seen:
@@ -574,14 +626,19 @@ def activation_bytes(
     for m in attention_parents(ms).values():
         heads_ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.out_dims[:1]) & model_axes)
         heads = m.row.shape[m.out_dims[0]] // heads_ways
-        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + tokens * workload.seq_len * heads
-    total = 0.0
+        scores = tokens * workload.seq_len * heads
+        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + scores
+        if not remat.recomputes(None):  # dots keeps the scores (a matmul's output) too
+            saved[m.layers] = saved.get(m.layers, 0.0) + scores
+    device = host = 0.0
     for layers, elements in per_layer.items():
-        if plan.remat and layers > 1:
-            total += layers * residual.get(layers, 0.0) + elements
-        else:
-            total += layers * elements
-    return total * workload.act_bytes
+        if not remat or layers == 1:
+            device += layers * elements
+            continue
+        kept = saved.get(layers, 0.0)
+        device += layers * (residual.get(layers, 0.0) + (0.0 if remat.kind == "offload" else kept)) + elements
+        host += layers * kept if remat.kind == "offload" else 0.0
+    return device * workload.act_bytes, host * workload.act_bytes
 
 
 @dataclasses.dataclass(frozen=True)
