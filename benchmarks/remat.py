@@ -4,8 +4,9 @@
 
 For each strategy (dp and zero3 on data=8, dp+tp on data=4,tensor=2) and each remat policy it compiles one
 training step and prints the matmul FLOPs of the whole step (every device's, read from the compiled HLO) over
-6·N·T (N parameters, T tokens per step), the same against the strategy's own step without remat, arguments +
-temporaries per device against dp's without remat, and what the program places in host memory (offload).
+6·N·T (N parameters, T tokens per step), the same against the strategy's step under the first policy listed
+(none by default), arguments + temporaries per device against dp's under it, and what the compiled program
+places in host memory (``memory_analysis()``'s host arguments and temporaries: offload).
 """
 
 from __future__ import annotations

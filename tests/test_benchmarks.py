@@ -110,3 +110,16 @@ def test_explicit_axes_script():
     for row in rows:  # one compiled program on either kind of mesh: the same collectives and memory
         cells = [cell.strip() for cell in row.split("│")[1:-1]]
         assert cells[2] == "identical" and cells[3] == cells[4] and cells[5] == cells[6], row
+
+
+@pytest.mark.slow
+def test_remat_script():
+    out = run_script(
+        "remat.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16", "--policies", "none,full,dots"
+    )
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    got = {(r[0].strip(), r[2].strip()): [float(x) for x in r[3:6]] for r in rows}
+    assert {(s, p) for s in ("dp", "zero3", "dp+tp") for p in ("none", "full", "dots")} == set(got), out
+    for strategy in ("dp", "zero3", "dp+tp"):
+        assert got[strategy, "dots"][1] == 1.0 and got[strategy, "full"][1] > 1.1, out  # no matmul recomputed
+    assert got["zero3", "dots"][2] < 0.5 * got["dp", "none"][2], out
