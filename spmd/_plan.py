@@ -147,10 +147,7 @@ class Plan:
         >>> Plan(batch_axes=("data",)).describe()
         'batch over data; parameters replicated'
         """
-        parts: list[str] = []
-        for part in self.parts:
-            if part.describe() not in parts:
-                parts.append(part.describe())
+        parts = list(dict.fromkeys(part.describe() for part in self.parts))  # each once, in order
         ex = self.execution
         shown = (
             f"; {' + '.join(parts)}"
