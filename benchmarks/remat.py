@@ -6,7 +6,8 @@ For each strategy (dp and zero3 on data=8, dp+tp on data=4,tensor=2) and each re
 training step and prints the matmul FLOPs of the whole step (every device's, read from the compiled HLO) over
 6·N·T (N parameters, T tokens per step), the same against the strategy's step under the first policy listed
 (none by default), arguments + temporaries per device against dp's under it, and what the compiled program
-places in host memory (``memory_analysis()``'s host arguments and temporaries: offload).
+places in host memory (``memory_analysis()``'s host arguments and temporaries: offload); last, the compiled
+matmul FLOPs against the cost model's (``costmodel.flops_per_device``, which counts each policy's recompute).
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def main() -> None:
     six_nt = 6 * n_params * args.batch_size * model.config.seq_len
     title = f"{args.model}, batch {args.batch_size}, 8 devices: per step, compiled"
     table = Table(title=title, title_justify="left")
-    columns = ("strategy", "mesh", "remat", "matmul FLOPs / 6NT", "FLOPs / no remat", "args+temp / dp's", "host")
+    columns = (
+        "strategy", "mesh", "remat", "matmul FLOPs / 6NT", "FLOPs / no remat", "args+temp / dp's", "host",
+        "FLOPs compiled / analytic",
+    )  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col in ("strategy", "mesh", "remat") else "right")
     baseline: dict[str, float] = {}
@@ -84,6 +88,7 @@ def main() -> None:
                 f"{flops / baseline[name]:.3f}",
                 f"{used / baseline['memory']:.3f}",
                 spmd.format_bytes(host),
+                f"{r.compiled_flops / r.flops_per_device:.3f}",
             )
     Console().print(table)
 

@@ -41,6 +41,17 @@ def test_each_policy_trains_zero3_like_one_device(policy, one_device):
     assert step.rematerialises(data.batch(0, 0, BATCH, 32, 256)) == (policy != "none")
 
 
+@pytest.mark.slow
+def test_the_nnx_gpt_follows_the_policy_like_the_linen_one():
+    plan = dataclasses.replace(strategies.zero3(), remat="names:query_proj,mlp_hidden")
+    model = models.get("gpt-tiny-nnx", layers=2, remat=plan.remat)
+    losses, _, step = train_steps(model, plan, spmd.make_mesh({"data": 8}), steps=STEPS, batch_size=BATCH)
+    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    plain = train_steps(models.get("gpt-tiny-nnx", layers=2), spmd.Plan(), one, steps=STEPS, batch_size=BATCH)
+    assert_trees_close(losses, plain[0])
+    assert step.rematerialises(data.batch(0, 0, BATCH, 32, 256))
+
+
 def _compiled(strategy, remat=None):
     plan = strategies.from_names(strategy)
     plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
