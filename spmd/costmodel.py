@@ -714,6 +714,7 @@ class Estimate:
     flops: float
     time: StepTime
     activation_note: str = "activations kept for backward"
+    host_activation_bytes: int = 0  # moved to host memory by an offload remat policy, outside memory_bytes
 
     @property
     def memory_bytes(self) -> int:
@@ -798,9 +799,9 @@ def estimate_layout(
     if moved is None:
         moved = data_parallel_traffic(layout, plan, mesh_shape)
     moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
-    kept = contribution.activation_bytes
+    kept, host = contribution.activation_bytes, 0.0
     if kept is None:
-        kept = activation_bytes(layout.params.leaves, plan, mesh_shape, workload)
+        kept, host = _activations(layout.params.leaves, plan, mesh_shape, workload)
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
     return Estimate(
         per_device_bytes=model_state_bytes(layout),
@@ -810,6 +811,7 @@ def estimate_layout(
         flops=flops,
         time=step_time(flops, moved, hardware, mesh_shape),
         activation_note=contribution.activation_note,
+        host_activation_bytes=int(host),
     )
 
 

@@ -12,7 +12,7 @@ from flax import linen as nn
 
 import spmd
 import strategies
-from spmd import data, models
+from spmd import costmodel, data, models
 from spmd._hlo import matmul_flops
 from tests.conftest import assert_trees_close, run_cli, train_steps
 
@@ -124,6 +124,32 @@ def test_a_users_layer_follows_the_active_plans_policy(wrap):
     state = remat.init(lambda rng: layer.init(rng, batch["x"]), jax.random.key(0))
     _, got = remat(state, batch)
     assert_trees_close(got, loss(params, batch))
+
+
+def test_the_cost_model_keeps_what_each_policy_keeps():
+    model = models.get("gpt-tiny", layers=4)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    workload = costmodel.Workload(BATCH, 32)
+    plan = strategies.zero3()
+    rows = plan.resolve(params, {"data": 8}).leaves
+
+    def kept(policy):
+        p = dataclasses.replace(plan, remat=policy)
+        return costmodel.activation_bytes(rows, p, {"data": 8}, workload), costmodel.host_activation_bytes(
+            rows, p, {"data": 8}, workload
+        )
+
+    none, full, dots = kept("none")[0], kept("full")[0], kept("dots")[0]
+    names, offload = kept("names:mlp_hidden"), kept("offload:mlp_hidden")
+    assert full < names[0] < dots < none and names[1] == 0
+    # Offload keeps on the device what full remat keeps, and moves the named hidden layer, every layer's, to host.
+    hidden = 4 * (BATCH // 8) * 32 * model.config.mlp * 4  # layers · tokens per device · mlp · 4 bytes
+    assert offload == (full, hidden) and names[0] == full + hidden
+    offloading = dataclasses.replace(plan, remat="offload:mlp_hidden")
+    est = costmodel.estimate(
+        offloading, params, {"data": 8}, workload, optimizer=optax.sgd(0.1), hardware=costmodel.HARDWARE["h100"]
+    )
+    assert est.host_activation_bytes == hidden
 
 
 def test_plans_merge_one_policy():
