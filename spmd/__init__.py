@@ -24,6 +24,7 @@ from spmd._launch import initialize
 from spmd._layout import Layout, LeafLayout, StateLayout, resolve_state
 from spmd._mesh import make_mesh, parse_mesh
 from spmd._plan import Plan
+from spmd._remat import Remat, rematerialise
 from spmd._report import Report, report
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
@@ -39,6 +40,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanWarning",
+    "Remat",
     "Report",
     "StateLayout",
     "TrainState",
@@ -58,6 +60,7 @@ __all__ = [
     "make_mesh",
     "parse_mesh",
     "pipeline",
+    "rematerialise",
     "report",
     "resolve_state",
     "rules",

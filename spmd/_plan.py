@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmd import axes as names
 from spmd._accumulate import check_accumulate, merged, with_accumulation
 from spmd._layout import Layout
+from spmd._remat import Remat
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
     LogicalRules,
@@ -41,9 +42,11 @@ class Plan:
 
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
-    into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`); ``accumulate``
-    runs each step's batch as that many microbatches, gradients reduced once per step (:meth:`with_accumulation`).
+    into errors; ``remat`` is the remat policy each layer follows (a :class:`spmd.Remat`, or what
+    :meth:`spmd.Remat.of` reads: a bool or ``"dots"``, ``"names:a,b"``...); ``execution`` is the one manual
+    part, or None (see :mod:`spmd.execution`); ``offload`` names the parts of the training state kept in host
+    memory; ``accumulate`` runs each step's batch as that many microbatches, gradients reduced once per step
+    (:meth:`with_accumulation`).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -58,13 +61,14 @@ class Plan:
     replicate: tuple[str, ...] = ()
     strict: bool = False
     notes: tuple[str, ...] = ()
-    remat: bool = False
+    remat: Remat = Remat()
     execution: ExecutionSpec | None = None
     offload: tuple[str, ...] = ()  # parts of the training state kept in host memory (strategies.offload)
     accumulate: int = 1
 
     def __post_init__(self) -> None:
         check_accumulate(self.accumulate, "Plan(accumulate=...)")
+        object.__setattr__(self, "remat", Remat.of(self.remat))  # bools and strings, as plans took before
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -102,7 +106,7 @@ class Plan:
             replicate=_merge_unique(self.replicate, other.replicate),
             strict=self.strict or other.strict,
             notes=_merge_unique(self.notes, other.notes),
-            remat=self.remat or other.remat,
+            remat=self.remat.merge(other.remat),
             execution=a or b,
             offload=_merge_unique(self.offload, other.offload),
             accumulate=merged(self.accumulate, other.accumulate),
@@ -126,7 +130,7 @@ class Plan:
 
         >>> import strategies
         >>> strategies.fsdp().with_block(128).describe()
-        'batch over fsdp; fsdp(axis=fsdp, min_bytes=4096, block=128); layers rematerialised'
+        'batch over fsdp; fsdp(axis=fsdp, min_bytes=4096, block=128); layers rematerialised (matmul outputs saved)'
         """
         splits = lambda p: isinstance(p, ShardLargest) and "params" in p.applies_to  # noqa: E731
         parts = tuple(dataclasses.replace(p, block=rows) if splits(p) else p for p in self.parts)
@@ -157,7 +161,7 @@ class Plan:
         parts = list(dict.fromkeys(part.describe() for part in self.parts))  # each once, in order
         bare = "" if ex is not None and ex.splits_state else "; parameters replicated"
         shown = f"; {' + '.join(parts)}" if parts else bare
-        remat = "; layers rematerialised" if self.remat else ""
+        remat = f"; {self.remat.describe()}" if self.remat else ""
         mode = f"; {ex.describe()}" if ex is not None else ""
         accumulate = f"; gradients accumulated over {self.accumulate} microbatches" if self.accumulate > 1 else ""
         offload = "".join(f"; {part} state offloaded to host" for part in self.offload)

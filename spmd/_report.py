@@ -432,8 +432,9 @@ def _bytes(batch: Any) -> int:
 
 _IGNORED_REMAT = (
     "remat: the plan asks the model to rematerialise its layers (plan.remat), and the model applies no remat; "
-    "the estimate keeps every layer's activations. Wrap its layers in nn.remat or jax.checkpoint "
-    "(models.rematerialised does it for the built-in models), or build the plan with remat=False"
+    "the estimate keeps every layer's activations. Wrap its layers in spmd.rematerialise (the plan's policy), "
+    "nn.remat or jax.checkpoint (models.rematerialised does it for the built-in models), or build the plan with "
+    "remat='none'"
 )
 _REMAT_UNKNOWN = (
     "remat: the plan asks for it (plan.remat) and a lowered or compiled program does not say whether the model "

@@ -22,8 +22,12 @@ whether that axis is a batch axis — never from which plan part made the split 
 - Gradient accumulation (``plan.accumulate`` = K): one microbatch's activations kept at a time (1/K), the
   gradient reductions once per step, the FSDP gathers and reduce-scatters once per microbatch, and a float32
   accumulated gradient in the parameters' layout.
-- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where remat recomputes it,
-  plus attention's score and value products; split over the devices that share the work.
+- Compute: 2·tokens·in·out FLOPs per matmul forward, twice that backward, once more where the plan's remat policy
+  recomputes it (``full``: every matmul of a layer; ``dots``: none; ``names``/``offload``: those whose outputs
+  are not named), plus attention's score and value products; split over the devices that share the work.
+- Activations kept per policy: every layer's (no remat); each layer's input and one layer live (``full``); those
+  plus the matmul outputs (``dots``) or the named ones (``names``); with ``offload`` the named ones go to host
+  memory, counted apart (:func:`host_activation_bytes`).
 
 >>> import jax, optax, spmd
 >>> from spmd import costmodel
@@ -68,6 +72,7 @@ __all__ = [
     "Workload",
     "accumulator_bytes",
     "activation_bytes",
+    "host_activation_bytes",
     "activation_traffic",
     "compare",
     "data_parallel_traffic",
@@ -90,6 +95,22 @@ __all__ = [
     "subnet_traffic",
     "traffic",
 ]
+
+# What the built-in models call each matmul's output (``checkpoint_name``, spmd._remat.NAMES), by the module
+# holding the weight: a names policy keeps those it names. Other models' matmuls count as unnamed.
+_OUTPUT_NAMES = {"query": "query_proj", "key": "key_proj", "value": "value_proj", "out": "out_proj"}
+_OUTPUT_NAMES |= {"wi": "mlp_hidden", "wo": "mlp_out"}
+
+
+def _output_name(m: Matmul) -> str | None:
+    parts = m.row.path.split("/")
+    return _OUTPUT_NAMES.get(parts[-2]) if len(parts) > 1 else None
+
+
+def _recomputed(plan: Plan, m: Matmul) -> bool:
+    """Whether the plan's remat policy runs ``m`` again in the backward pass (see :attr:`Matmul.recomputed`)."""
+    return m.recomputed and plan.remat.recomputes(_output_name(m))
+
 
 # A compiled figure more than this far from the analytic one is flagged in the report.
 TOLERANCE = 0.10
@@ -426,7 +447,7 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
         output = _dim_axes(m.row, m.out_dims) & model_axes
         if contraction:
             buffer = rows * m.local(m.out_dims, model_axes, sizes) * workload.act_bytes
-            forwards = 1 + (plan.remat and m.recomputed)
+            forwards = 1 + _recomputed(plan, m)
             all_reduce(contraction, forwards * m.layers * buffer, forwards * m.layers)
         if output and not m.lookup:
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
@@ -532,12 +553,14 @@ def flops_per_device(
         rows = _rows_of(m, plan, sizes, workload)
         ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.in_dims + m.out_dims) & model_axes)
         full = math.prod(m.row.shape[d] for d in m.in_dims + m.out_dims)
-        passes = 3 + (plan.remat and m.recomputed)  # forward, input and weight gradients (+ recomputed forward)
+        passes = 3 + _recomputed(plan, m)  # forward, input and weight gradients (+ recomputed forward)
         total += passes * 2 * rows * full * m.layers / ways
     tokens = _tokens_per_device(plan, sizes, workload)
     for m in attention_parents(ms).values():
         width = m.local(m.out_dims, model_axes, sizes)
-        passes = 3 + plan.remat  # scores and their product with the values, recomputed with the layer
+        # Scores and their product with the values; a policy keeping no untagged matmul output recomputes the
+        # scores (the probabilities are not kept), and the product unless attention's output is kept.
+        passes = 3 + (plan.remat.recomputes(None) + plan.remat.recomputes("attn_out")) / 2
         total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
     return total
 
@@ -571,12 +594,14 @@ def activation_bytes(
     params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
 ) -> float:
     """An estimate of the activations one device keeps for the backward pass, per microbatch (the device's
-    share of the batch).
+    share of the batch), in device memory.
 
     Per layer, every matmul's input (inputs shared by sibling projections, like ``query``/``key``/``value``,
     counted once) and output, plus attention's probabilities; the logits three times (with their softmax and
-    its gradient). Under ``plan.remat`` only each layer's input is
-    kept (the residual, split like it) and one layer's activations are live again while it is recomputed.
+    its gradient). Under a remat policy (``plan.remat``) the stacked layers keep each layer's input (the
+    residual, split like it) and what the policy saves (``dots``: every matmul output and the attention scores;
+    ``names``: the named matmul outputs; ``offload``: nothing more, the named ones go to the host, see
+    :func:`host_activation_bytes`), and one layer's activations are live again while it is recomputed.
 
     >>> import spmd, numpy as np
     >>> from flax import linen as nn
@@ -584,20 +609,47 @@ def activation_bytes(
     >>> activation_bytes(rows.leaves, spmd.Plan(), {}, Workload(1, 16))  # (16 · 32 outputs + 16 · 8 inputs) · 4
     2560.0
     """
+    return _activations(params, plan, mesh_shape, workload)[0]
+
+
+def host_activation_bytes(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> float:
+    """The activations one device moves to host memory for the backward pass (an ``offload`` remat policy's
+    named matmul outputs, every stacked layer's), per microbatch; 0 under other policies.
+
+    >>> import spmd, numpy as np
+    >>> from flax import linen as nn
+    >>> wi = nn.LogicallyPartitioned(np.zeros((2, 8, 32)), ("layers", "embed", "mlp"))
+    >>> rows = spmd.Plan().resolve({"mlp": {"wi": {"kernel": wi}}}).leaves
+    >>> host_activation_bytes(rows, spmd.Plan(remat="offload:mlp_hidden"), {}, Workload(1, 16))  # 2 · 16 · 32 · 4
+    4096.0
+    """
+    return _activations(params, plan, mesh_shape, workload)[1]
+
+
+def _activations(
+    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], workload: Workload
+) -> tuple[float, float]:
+    """(device, host) bytes of the kept activations: see :func:`activation_bytes`."""
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
     ms = matmuls(params)
     seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes))
     tokens = _tokens_per_device(plan, sizes, workload)
     per_layer: dict[int, float] = {}  # stacked layer count -> elements per layer
+    saved: dict[int, float] = {}  # stacked layer count -> elements per layer the remat policy keeps
     residual: dict[int, float] = {}
     inputs_seen: set[tuple[str, tuple]] = set()
+    remat = plan.remat
     for m in ms:
         if m.lookup:
             continue
         rows = _rows_of(m, plan, sizes, workload)
         names = tuple(m.row.names[d] for d in m.in_dims) if m.row.names else m.in_dims
         elements = rows * m.local(m.out_dims, model_axes, sizes)
+        if not remat.recomputes(_output_name(m)):
+            saved[m.layers] = saved.get(m.layers, 0.0) + elements
         if m.logits:
             elements *= 3  # the logits, their softmax and its gradient are live together in the loss
         if (m.parent, names) not in inputs_seen:
@@ -609,14 +661,19 @@ def activation_bytes(
     for m in attention_parents(ms).values():
         heads_ways = math.prod(sizes[a] for a in _dim_axes(m.row, m.out_dims[:1]) & model_axes)
         heads = m.row.shape[m.out_dims[0]] // heads_ways
-        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + tokens * workload.seq_len * heads
-    total = 0.0
+        scores = tokens * workload.seq_len * heads
+        per_layer[m.layers] = per_layer.get(m.layers, 0.0) + scores
+        if not remat.recomputes(None):  # dots keeps the scores (a matmul's output) too
+            saved[m.layers] = saved.get(m.layers, 0.0) + scores
+    device = host = 0.0
     for layers, elements in per_layer.items():
-        if plan.remat and layers > 1:
-            total += layers * residual.get(layers, 0.0) + elements
-        else:
-            total += layers * elements
-    return total * workload.act_bytes
+        if not remat or layers == 1:
+            device += layers * elements
+            continue
+        kept = saved.get(layers, 0.0)
+        device += layers * (residual.get(layers, 0.0) + (0.0 if remat.kind == "offload" else kept)) + elements
+        host += layers * kept if remat.kind == "offload" else 0.0
+    return device * workload.act_bytes, host * workload.act_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,6 +755,7 @@ class Estimate:
     host_bytes: int = 0  # per device, of state offloaded to host memory (not in per_device_bytes' total)
     host_traffic: tuple[Traffic, ...] = ()  # offloaded state moved to the device and back, per step
     accumulator_bytes: int = 0  # the float32 accumulated gradient, with plan.accumulate > 1
+    host_activation_bytes: int = 0  # moved to host memory by an offload remat policy, outside memory_bytes
 
     @property
     def memory_bytes(self) -> int:
@@ -797,10 +855,10 @@ def estimate_layout(
     if moved is None:
         moved = data_parallel_traffic(layout, plan, mesh_shape)
     moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
-    kept = contribution.activation_bytes
+    kept, host_acts = contribution.activation_bytes, 0.0
     if kept is None:  # accumulation keeps one microbatch's activations at a time
         micro = dataclasses.replace(workload, batch=max(workload.batch // plan.accumulate, 1))
-        kept = activation_bytes(layout.params.leaves, plan, mesh_shape, micro)
+        kept, host_acts = _activations(layout.params.leaves, plan, mesh_shape, micro)
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
     state, host = model_state_bytes(layout), 0
     if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
@@ -818,6 +876,7 @@ def estimate_layout(
         host_bytes=host,
         host_traffic=streamed,
         accumulator_bytes=accumulator_bytes(layout, plan),
+        host_activation_bytes=int(host_acts),
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spmd import Plan
+from spmd import Plan, Remat
 from spmd import axes as A
 from spmd.rules import ShardLargest
 
@@ -12,7 +12,7 @@ def fsdp(
     axis: str = "fsdp",
     min_bytes: int = 4096,
     avoid: tuple[str, ...] = (A.LAYERS,),
-    remat: bool = True,
+    remat: Remat | str | bool = "dots",
     block: int = 1,
     paths: tuple[str, ...] = (),
 ) -> Plan:
@@ -22,9 +22,10 @@ def fsdp(
     Works on any model, annotated or not. Dimensions whose logical name is in ``avoid`` are never chosen:
     splitting the stacked ``layers`` dimension would make a scan gather every layer at once.
 
-    ``remat`` asks the model to rematerialise each layer in the backward pass: without it XLA keeps every
-    gathered weight alive from the forward to the backward pass and FSDP saves no peak memory; with it each
-    layer's weights are gathered again in the backward pass (the ZeRO paper's 3Ψ traffic).
+    ``remat`` is the layers' remat policy (:class:`spmd.Remat`). Without one XLA keeps gathered weights alive
+    from the forward to the backward pass and FSDP saves little peak memory. The default, ``dots``, keeps every
+    matmul output and nothing else: each layer's weights are gathered again in the backward pass (the ZeRO
+    paper's 3Ψ traffic) and no matmul is recomputed; ``full`` recomputes the whole layer for less memory.
 
     ``block`` (veScale-FSDP) aligns every shard to whole blocks of ``block`` rows, so block-wise optimizers
     (blocked Shampoo, 8-bit Adam's quantisation blocks) find whole blocks on each device; an array with no such

@@ -62,10 +62,11 @@ def osdp(
         )
     before = spmd.resolve_state(plan, params, optimizer, mesh_axes)
     options = _priced(before, spmd.resolve_state(full, params, optimizer, mesh_axes), hardware, mesh_axes, axis)
-    # The remat that FSDP turns on shrinks the activations too, so start from the replicated plan with remat.
+    # The remat policy that FSDP turns on shrinks the activations too, so start from the replicated plan with it.
+    remat = fsdp(axis=axis).remat
     need = (
         costmodel.estimate(
-            dataclasses.replace(plan, remat=True), params, mesh_axes, workload, optimizer=optimizer, hardware=hardware
+            dataclasses.replace(plan, remat=remat), params, mesh_axes, workload, optimizer=optimizer, hardware=hardware
         ).memory_bytes
         - memory_per_device
     )
@@ -78,7 +79,7 @@ def osdp(
         cost += extra
     if not chosen:
         note = f"osdp: everything fits replicated once layers are rematerialised ({format_bytes(memory_per_device)})"
-        return dataclasses.replace(plan, remat=True, notes=plan.notes + (note,))
+        return dataclasses.replace(plan, remat=remat, notes=plan.notes + (note,))
     result = plan + fsdp(axis=axis, min_bytes=min_bytes, paths=tuple(chosen))
     note = (
         f"osdp: {len(chosen)} of {len(options)} shardable arrays sharded over {axis} to fit "

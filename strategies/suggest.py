@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from spmd import Plan, PlanError, costmodel, format_bytes
+from spmd import Plan, PlanError, Remat, costmodel, format_bytes
 from strategies import Context, from_names
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
@@ -105,9 +105,11 @@ def rank(
     memory_per_device: int,
     optimizer: Any,
     max_tensor: int = 8,
+    remat: Remat | None = None,
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
+    ``remat``, if given, replaces every plan's remat policy.
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -127,6 +129,7 @@ def rank(
             continue
         try:
             plan = from_names(strategy, mesh, context=ctx)
+            plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
             est = costmodel.estimate(plan, params, mesh, workload, optimizer=optimizer, hardware=hardware)
         except (PlanError, ValueError) as e:
             skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")

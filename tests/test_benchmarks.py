@@ -133,3 +133,16 @@ def test_accumulation_script():
     assert temps[0] == 1.0 and temps[0] > temps[1] > temps[2], out  # temporaries fall with K
     for k in ("2", "4"):  # the gradients all-reduced once per step: the same bytes as K = 1
         assert rows[k][3].strip().endswith("(1.00×)"), rows[k]
+
+
+@pytest.mark.slow
+def test_remat_script():
+    out = run_script(
+        "remat.py", "--model", "gpt-tiny", "--layers", "2", "--batch-size", "16", "--policies", "none,full,dots"
+    )
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    got = {(r[0].strip(), r[2].strip()): [float(x) for x in r[3:6]] for r in rows}
+    assert {(s, p) for s in ("dp", "zero3", "dp+tp") for p in ("none", "full", "dots")} == set(got), out
+    for strategy in ("dp", "zero3", "dp+tp"):
+        assert got[strategy, "dots"][1] == 1.0 and got[strategy, "full"][1] > 1.1, out  # no matmul recomputed
+    assert got["zero3", "dots"][2] < 0.5 * got["dp", "none"][2], out

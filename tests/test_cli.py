@@ -246,5 +246,5 @@ def test_remat_is_claimed_only_where_the_model_applies_it(capsys):
     code, out, err = run_cli(capsys, "plan", "--layers", "1", *mesh)
     assert code == 0, err
     builtin = json.loads(out)
-    assert builtin["plan"].endswith("layers rematerialised")
+    assert builtin["plan"].endswith("layers rematerialised (matmul outputs saved)")
     assert not any(w.startswith("remat:") for w in builtin["warnings"])

@@ -1,6 +1,8 @@
 """The analytic cost model against hand formulas and against the compiled program: activation traffic of 2-D
 tensor parallelism, FLOPs, activation memory, block padding, hardware links, and the ATP axis choice."""
 
+import dataclasses
+
 import jax
 import optax
 import pytest
@@ -68,12 +70,21 @@ def test_flops_match_the_hand_count():
     tp_flops = costmodel.flops_per_device(tp_rows, tp, {"data": 2, "tensor": 4}, workload)
     head = c.d_model * c.vocab  # the lm_head is not split by tensor parallelism
     assert tp_flops == pytest.approx(3 * 2 * (4 * tokens) * ((matmul - head + attention) / 4 + head))
-    # Remat runs each layer's forward again, but for the projection ending it (``wo``, whose output is the next
-    # layer's input and is kept); the head, outside the layers, is not recomputed.
+    # Full remat runs each layer's forward again, but for the projection ending it (``wo``, whose output is the
+    # next layer's input and is kept); the head, outside the layers, is not recomputed.
     remat = strategies.zero3()
     remat_rows = remat.resolve(params, {"data": 8}).leaves
     recomputed = 2 * tokens * (c.layers * (4 * c.d_model**2 + c.d_model * c.mlp) + attention)
-    assert costmodel.flops_per_device(remat_rows, remat, {"data": 8}, workload) == pytest.approx(expected + recomputed)
+    full = dataclasses.replace(remat, remat="full")
+    assert costmodel.flops_per_device(remat_rows, full, {"data": 8}, workload) == pytest.approx(expected + recomputed)
+    # FSDP's default keeps every matmul output: nothing is recomputed. Keeping q, k, v and the MLP's hidden layer
+    # recomputes the out projection and the attention products.
+    assert costmodel.flops_per_device(remat_rows, remat, {"data": 8}, workload) == pytest.approx(expected)
+    names = dataclasses.replace(remat, remat="names:query_proj,key_proj,value_proj,mlp_hidden")
+    out_proj = 2 * tokens * c.layers * c.d_model**2
+    assert costmodel.flops_per_device(remat_rows, names, {"data": 8}, workload) == pytest.approx(
+        expected + out_proj + attention * 2 * tokens
+    )
 
 
 def test_activation_estimate_shrinks_with_remat_and_tensor_parallelism():

@@ -111,7 +111,7 @@ def _osdp(mesh_axes, base=None):
         mesh_axes,
         workload,
         costmodel.HARDWARE["h100"],
-        memory_per_device=int(1.6 * (1 << 20)),
+        memory_per_device=int(1.9 * (1 << 20)),
         optimizer=optax.sgd(0.1, momentum=0.9),
         base=base,
     )

@@ -257,4 +257,6 @@ def test_fsdp_leaves_an_array_another_part_already_split_and_notes_it():
     layout = plan.resolve({"bias": boxed(("mlp",), 256)}, SIZES)
     assert layout.specs["bias"] == P("tensor")
     assert layout.leaves[0].note == "not split by fsdp: no free dimension divisible by 'fsdp' (2)"
-    assert str(plan) == "batch over fsdp; fsdp(axis=fsdp, min_bytes=0) + tensor_parallel; layers rematerialised"
+    assert str(plan) == (
+        "batch over fsdp; fsdp(axis=fsdp, min_bytes=0) + tensor_parallel; layers rematerialised (matmul outputs saved)"
+    )

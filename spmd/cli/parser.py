@@ -15,12 +15,15 @@ from typing import NoReturn
 import strategies
 from spmd._mesh import MAX_EMULATED_DEVICES
 from spmd._offload import OFFLOADABLE
+from spmd._remat import FORMS, NAMES, Remat
+from spmd._rules import PlanError
 from spmd.costmodel import HARDWARE
 from spmd.devices import parse_bytes
 from spmd.execution import GRANULARITIES, MASKINGS
 
 __all__ = [
     "DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parse_offload", "parser",
+    "remat_arg",
 ]  # fmt: skip
 
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
@@ -124,6 +127,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="override the model's number of layers")
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
     p.add_argument("--offload", help=f"keep in host memory between steps: {', '.join(OFFLOADABLE)} (ZeRO-Offload)")
+    p.add_argument("--remat", help=f"remat policy of the layers, overriding the strategy's: {FORMS}")
     p.add_argument("--device-kind", help=f"cost model device: {', '.join(HARDWARE)} (default: the devices present)")
     p.add_argument("--axis-bandwidth", help="per-axis link bandwidth in GB/s per device, e.g. tensor=450,tensor2=50")
     p.add_argument("--memory-per-device", help="memory budget per device, e.g. 16GiB (osdp, suggest)")
@@ -238,7 +242,21 @@ def check(args: argparse.Namespace) -> None:
         args.axis_bandwidth = parse_bandwidth(args.axis_bandwidth)
     if getattr(args, "offload", None) is not None:
         args.offload = parse_offload(args.offload)
+    if getattr(args, "remat", None) is not None:
+        args.remat = remat_arg(args.remat)
     _check_applies(args, getattr(args, "given", set()))
+
+
+def remat_arg(value: str) -> Remat:
+    """The ``--remat`` policy, or a usage error naming the valid forms and the activations the built-in models tag.
+
+    >>> remat_arg("names:mlp_hidden").names
+    ('mlp_hidden',)
+    """
+    try:
+        return Remat.of(value)
+    except PlanError:
+        raise UsageError(f"--remat {value!r}: give {FORMS} (the built-in models tag {','.join(NAMES)})") from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -98,8 +98,10 @@ def setup(
             f"model {model.name!r} cannot be pipelined: pp needs the model cut into stages (models.Model.staged; "
             f"the built-in GPTs gpt-tiny, gpt-small and their -nnx twins have one)"
         )
+    if getattr(args, "remat", None) is not None:  # --remat overrides the strategy's policy
+        plan = dataclasses.replace(plan, remat=args.remat)
     if plan.remat and name in models.BUILTIN:  # user factories need not know the option
-        model = models.rematerialised(model)
+        model = models.rematerialised(model, plan.remat)
     on_nan = getattr(args, "on_nan", "stop")
     return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed, on_nan)
 

@@ -33,13 +33,14 @@ def command(args: argparse.Namespace) -> int:
         memory_per_device=budget,
         optimizer=optimizer,
         max_tensor=args.max_tensor,
+        remat=args.remat,
     )
     if not ranked:
         raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
 
     def compile_report(mesh_axes: dict, plan: spmd.Plan) -> spmd.Report:
-        built = models.rematerialised(model) if plan.remat and args.model in models.BUILTIN else model
+        built = models.rematerialised(model, plan.remat) if plan.remat and args.model in models.BUILTIN else model
         mesh = spmd.make_mesh(mesh_axes, explicit=args.axis_types == "explicit")
         step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params)
         return spmd.report(step, batch, hardware=hardware)

@@ -64,6 +64,7 @@ from flax import nnx
 
 from spmd import axes as A
 from spmd._pipeline import StagedModel
+from spmd._remat import Remat
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
 from spmd.models.nnx_module import nnx_module
@@ -376,17 +377,17 @@ def narrowed(model: Model, sizes: Mapping[str, int]) -> Model:
     return _gpt_model(model.name, config)
 
 
-def rematerialised(model: Model) -> Model:
-    """A built-in ``model`` that rematerialises each layer in the backward pass (what FSDP plans ask for:
-    ``Plan.remat``), with the same parameters.
+def rematerialised(model: Model, policy: Remat | str | bool = True) -> Model:
+    """A built-in ``model`` whose layers and head follow the remat ``policy`` (a :class:`spmd.Remat`, or what
+    :meth:`spmd.Remat.of` reads; ``True``: ``full``), with the same parameters: what a plan's ``remat`` asks.
 
-    >>> rematerialised(get("gpt-tiny", layers=2)).config.remat
-    True
+    >>> rematerialised(get("gpt-tiny", layers=2), "dots").config.remat
+    Remat(kind='dots', names=())
     """
     if model.name not in BUILTIN:
         raise ValueError(f"model {model.name!r} is not built in: rematerialise its layers in its own code")
     fields = {f.name: getattr(model.config, f.name) for f in dataclasses.fields(LMConfig)}
-    return BUILTIN[model.name](**(fields | {"remat": True}))
+    return BUILTIN[model.name](**(fields | {"remat": Remat.of(policy)}))
 
 
 def _mlp(config: LMConfig) -> nn.Module:

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from spmd._remat import Remat
+
 __all__ = ["LMConfig"]
 
 
@@ -15,6 +17,7 @@ __all__ = ["LMConfig"]
 class LMConfig:
     """Sizes of a token -> logits language model; every built-in model reads the fields it needs.
 
+    ``remat`` is the remat policy of each layer and of the head (a :class:`spmd.Remat`; ``True`` is ``full``).
     ``dtype`` is the compute dtype of activations; parameters are always float32 and the loss is computed
     in float32.
 
@@ -33,11 +36,12 @@ class LMConfig:
     heads: int = 4
     mlp: int = 256
     layers: int = 8
-    remat: bool = False
+    remat: Remat | str | bool = False  # the layers' remat policy (spmd.Remat.of reads it)
     dtype: Any = jnp.float32
     head_size: int | None = None  # the width of a head when it is not d_model // heads (a subnetwork's heads)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "remat", Remat.of(self.remat))
         for field in ("vocab", "seq_len", "d_model", "heads", "mlp", "layers"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -15,6 +15,11 @@ mesh axes; the blocks are stacked with ``nn.scan`` (compile time independent of 
     params/ln_f/{scale,bias}           (embed,)
     params/lm_head/kernel              (embed, vocab)
 
+``config.remat`` (a :class:`spmd.Remat`) applies to each scanned block and to the head. A block tags its
+activations for ``names`` and ``offload`` policies (``jax.ad_checkpoint.checkpoint_name``, see
+:data:`spmd._remat.NAMES`): ``layer_input``, ``query_proj``/``key_proj``/``value_proj``, ``attn_out`` (attention's
+output before ``out``), ``out_proj``, ``mlp_hidden`` (``wi``'s output) and ``mlp_out``.
+
 >>> import jax
 >>> from spmd.models.config import LMConfig
 >>> model = GPT(LMConfig(layers=2))
@@ -36,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
@@ -126,11 +132,12 @@ class CausalSelfAttention(nn.Module):
 
         def project(name: str) -> jax.Array:
             dense = Projection((c.heads, c.head_dim), (A.EMBED, A.HEADS, A.HEAD_DIM), c.dtype, name=name)
-            return constrain(dense(x), HEADS)
+            return checkpoint_name(constrain(dense(x), HEADS), f"{name}_proj")
 
         q, k, v = project("query"), project("key"), project("value")
-        y = constrain(causal_attention(q, k, v), HEADS)
-        return Projection((c.d_model,), (A.HEADS, A.HEAD_DIM, A.EMBED), c.dtype, name="out")(y)
+        y = checkpoint_name(constrain(causal_attention(q, k, v), HEADS), "attn_out")
+        out = Projection((c.d_model,), (A.HEADS, A.HEAD_DIM, A.EMBED), c.dtype, name="out")(y)
+        return checkpoint_name(out, "out_proj")
 
 
 class Mlp(nn.Module):
@@ -149,8 +156,8 @@ class Mlp(nn.Module):
             kernel_init=_named(DENSE_INIT, (A.EMBED, A.MLP)),
             name="wi",
         )(x)
-        h = constrain(nn.gelu(h), HIDDEN)
-        return nn.Dense(
+        h = constrain(nn.gelu(checkpoint_name(h, "mlp_hidden")), HIDDEN)
+        out = nn.Dense(
             c.d_model,
             use_bias=False,
             dtype=c.dtype,
@@ -158,6 +165,7 @@ class Mlp(nn.Module):
             kernel_init=_named(DENSE_INIT, (A.MLP, A.EMBED)),
             name="wo",
         )(h)
+        return checkpoint_name(out, "mlp_out")
 
 
 class Block(nn.Module):
@@ -168,6 +176,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
         c = self.config
+        x = checkpoint_name(x, "layer_input")
         x = constrain(x + CausalSelfAttention(c, name="attn")(_layer_norm(c, "ln1")(x)), RESIDUAL)
         x = constrain(x + Mlp(c, name="mlp")(_layer_norm(c, "ln2")(x)), RESIDUAL)
         return x, None
@@ -196,10 +205,9 @@ def _position_embed(c: LMConfig, name: str = "pos_embed") -> nn.Embed:
 
 
 def _lm_head(c: LMConfig, name: str = "lm_head") -> nn.Module:
-    # With remat the head is recomputed in the backward pass too, so FSDP re-gathers its kernel there instead
-    # of keeping the full vocab × embed matrix alive across the whole step.
-    head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
-    return head(
+    # Under a remat policy the head is rematerialised too, so FSDP re-gathers its kernel in the backward pass
+    # instead of keeping the full vocab × embed matrix alive across the whole step.
+    return c.remat.linen(nn.Dense)(
         c.vocab,
         use_bias=False,
         dtype=c.dtype,
@@ -211,11 +219,10 @@ def _lm_head(c: LMConfig, name: str = "lm_head") -> nn.Module:
 
 def scanned(block: type[nn.Module], c: LMConfig) -> Callable[..., nn.Module]:
     """``block`` (returning ``(x, None)``) stacked ``c.layers`` times with ``nn.scan``: its parameters get a
-    leading ``"layers"`` dimension, and compile time does not grow with depth. With ``c.remat`` each scanned
-    step recomputes its activations in the backward pass (remat before scan; ``prevent_cse`` is unnecessary
-    inside a scan, and off it lets XLA optimise the recomputation)."""
-    if c.remat:
-        block = nn.remat(block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    leading ``"layers"`` dimension, and compile time does not grow with depth. Each scanned step follows the
+    remat policy ``c.remat`` (remat before scan; ``prevent_cse`` is unnecessary inside a scan, and off it lets
+    XLA optimise the recomputation)."""
+    block = c.remat.linen(block, prevent_cse=False)
     return nn.scan(
         block,
         variable_axes={"params": 0},

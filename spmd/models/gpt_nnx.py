@@ -19,15 +19,18 @@ model (``nnx.eval_shape`` included) under ``nnx.use_eager_sharding(False)``; spm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
 from spmd._pipeline import StagedModel
+from spmd._remat import Remat
 from spmd.models.config import LMConfig
 from spmd.models.gpt import DENSE_INIT, EMBED_INIT, HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention
 from spmd.models.nnx_module import nnx_module
@@ -81,10 +84,12 @@ class CausalSelfAttention(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q = constrain(self.query(x), HEADS)
-        k = constrain(self.key(x), HEADS)
-        v = constrain(self.value(x), HEADS)
-        return self.out(constrain(causal_attention(q, k, v), HEADS))
+        # The same activation names as the linen GPT's (spmd._remat.NAMES), for names and offload policies.
+        q = checkpoint_name(constrain(self.query(x), HEADS), "query_proj")
+        k = checkpoint_name(constrain(self.key(x), HEADS), "key_proj")
+        v = checkpoint_name(constrain(self.value(x), HEADS), "value_proj")
+        y = checkpoint_name(constrain(causal_attention(q, k, v), HEADS), "attn_out")
+        return checkpoint_name(self.out(y), "out_proj")
 
 
 class Mlp(nnx.Module):
@@ -112,7 +117,8 @@ class Mlp(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.wo(constrain(nnx.gelu(self.wi(x)), HIDDEN))
+        h = constrain(nnx.gelu(checkpoint_name(self.wi(x), "mlp_hidden")), HIDDEN)
+        return checkpoint_name(self.wo(h), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -125,6 +131,7 @@ class Block(nnx.Module):
         self.mlp = Mlp(config, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = checkpoint_name(x, "layer_input")
         x = constrain(x + self.attn(self.ln1(x)), RESIDUAL)
         return constrain(x + self.mlp(self.ln2(x)), RESIDUAL)
 
@@ -136,17 +143,20 @@ def _run_block(x: jax.Array, block: Block) -> jax.Array:
 # The same metadata transform as at creation, so inside the scan body the per-layer Variables' names
 # drop the leading "layers" together with the leading axis.
 _LAYERS_AXIS = {nnx.PARTITION_NAME: A.LAYERS}
-_scan_blocks = nnx.scan(_run_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
-# Remat inside the scan body: each scanned step recomputes its activations in the backward pass
-# (prevent_cse is unnecessary inside scan, and off it lets XLA optimise the recomputation).
-_head_remat = nnx.remat(lambda head, x: head(x), policy=jax.checkpoint_policies.nothing_saveable)
 
-_scan_blocks_remat = nnx.scan(
-    nnx.remat(_run_block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False),
-    in_axes=(nnx.Carry, 0),
-    out_axes=nnx.Carry,
-    transform_metadata=_LAYERS_AXIS,
-)
+
+@functools.cache
+def _scan_blocks(remat: Remat) -> Callable[[jax.Array, Block], jax.Array]:
+    # Remat inside the scan body: each scanned step follows the policy in the backward pass (prevent_cse is
+    # unnecessary inside scan, and off it lets XLA optimise the recomputation).
+    body = nnx.remat(_run_block, policy=remat.policy(), prevent_cse=False) if remat else _run_block
+    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
+
+
+@functools.cache
+def _head(remat: Remat) -> Callable[[nnx.Linear, jax.Array], jax.Array]:
+    run = lambda head, x: head(x)  # noqa: E731
+    return nnx.remat(run, policy=remat.policy()) if remat else run
 
 
 class GPT(nnx.Module):
@@ -196,10 +206,10 @@ class GPT(nnx.Module):
             # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
             raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
         x = constrain(self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None], RESIDUAL)
-        x = (_scan_blocks_remat if c.remat else _scan_blocks)(x, self.layers)
+        x = _scan_blocks(c.remat)(x, self.layers)
         x = self.ln_f(x)
-        # With remat the head is recomputed in the backward pass too (see the linen GPT).
-        logits = _head_remat(self.lm_head, x) if c.remat else self.lm_head(x)
+        # Under a remat policy the head is rematerialised too (see the linen GPT).
+        logits = _head(c.remat)(self.lm_head, x)
         return constrain(logits, LOGITS)
 
 

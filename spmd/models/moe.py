@@ -231,8 +231,7 @@ class MoeGPT(nn.Module):
         x, _ = scanned(MoeBlock, c)(c, self.experts, self.top_k, self.capacity_factor, name="layers")(x)
 
         x = _layer_norm(c, "ln_f")(x)
-        head = nn.remat(nn.Dense, policy=jax.checkpoint_policies.nothing_saveable) if c.remat else nn.Dense
-        logits = head(
+        logits = c.remat.linen(nn.Dense)(
             c.vocab,
             use_bias=False,
             dtype=c.dtype,
