@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._layout import Layout
+from spmd._precision import Precision
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
     LogicalRules,
@@ -41,7 +42,8 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`).
+    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`);
+    ``precision`` is the mixed-precision policy the step applies to the parameters, or None (their own dtypes).
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -58,6 +60,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     remat: bool = False
     execution: ExecutionSpec | None = None
+    precision: Precision | None = None
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -89,6 +92,9 @@ class Plan:
         if a is not None and b is not None and a != b:
             what = f"two {a.source} parts in one plan" if type(a) is type(b) else f"{a.source} and {b.source}"
             raise PlanError(f"{what}: {a.describe()} and {b.describe()}; a plan runs one execution mode, keep one")
+        p, q = self.precision, other.precision
+        if p is not None and q is not None and p != q:
+            raise PlanError(f"two precision policies in one plan: {p} and {q}; a step computes in one, keep one")
         return Plan(
             parts=self.parts + other.parts,
             batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
@@ -97,6 +103,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
+            precision=p or q,
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -155,8 +162,11 @@ class Plan:
             else "; parameters replicated"
         )
         remat = "; layers rematerialised" if self.remat else ""
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}" + (
-            f"; {ex.describe()}" if ex is not None else ""
+        precision = f"; {self.precision.describe()}" if self.precision is not None else ""
+        return (
+            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
+            + (f"; {ex.describe()}" if ex is not None else "")
+            + precision
         )
 
     def __str__(self) -> str:

@@ -103,6 +103,8 @@ def _collectives(report: Report) -> Table:
     compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"]) or "unknown"
     only = " (parameters only: the workload is unknown)" if report.flops_per_device is None else ""
     table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}{only}"
+    if report.wire_note:
+        table.caption += f"; {report.wire_note}"
     if report.compiled_flops is not None:
         table.caption += f"; matmul FLOPs per device: compiled {report.compiled_flops:.3g}, analytic " + (
             "unknown" if report.flops_per_device is None else f"{report.flops_per_device:.3g}"

@@ -19,6 +19,7 @@ from spmd._keys import BaseKey, StepKey, named
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._plan import Plan
+from spmd._precision import cast_params
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
 from spmd._tree import unbox
@@ -134,6 +135,7 @@ class TrainStep:
             replicated, _named(mesh, self.layout.params.specs), _named(mesh, self.layout.opt_state.specs)
         )
         self.grad_shardings = _named(self.traced_mesh, self.layout.grads.specs)
+        self.param_shardings = _named(self.traced_mesh, self.layout.params.specs)
         # Per batch signature: the program, the batch's shardings, and whether it rematerialises.
         self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any, bool]] = {}
         check_unused_axes(plan, mesh, self.layout)  # once the step is built: a plan that fails says only why
@@ -202,8 +204,9 @@ class TrainStep:
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         ex, layout = self.executor, self.layout
         # Block-aligned layouts store padded arrays: the executor sees them sliced, so their gradients come back
-        # padded with zeros and the padding never changes.
-        stored = unpad(state.params, layout.params)
+        # padded with zeros and the padding never changes. A precision policy narrows each stored shard first
+        # (before any all-gather); the executor never knows.
+        stored = unpad(cast_params(state.params, self.plan.precision, self.param_shardings), layout.params)
         with activate(self.plan, self.traced_mesh):
             if self.draws:
                 key = None if self.base_key is None else self.base_key.at(state.step)
@@ -212,8 +215,10 @@ class TrainStep:
                 loss, grads = ex.value_and_grad(stored, batch)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
-        grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
         trained = ex.to_trained(state.params)
+        if self.plan.precision is not None:  # the optimizer updates the stored (master) dtype
+            grads = jax.tree.map(lambda g, t: g.astype(_dtype(t)), grads, unpad(trained, layout.trained))
+        grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
         params = ex.from_trained(optax.apply_updates(trained, updates))
         if self.skip_nonfinite:

@@ -18,8 +18,9 @@ from spmd.costmodel import HARDWARE
 from spmd.devices import parse_bytes
 from spmd.execution import GRANULARITIES, MASKINGS
 
-__all__ = ["DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parser"]
+__all__ = ["DEMO", "MAX_DEVICES", "PRECISIONS", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parser"]
 
+PRECISIONS = ("fp32", "bf16")  # --precision; bf16 is strategies.mixed_precision's default policy
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
@@ -65,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
         ("suggest", "rank meshes and strategies by the cost model; confirm by compiling"),
     ):
         _model_flags(sub.add_parser(name, help=text))
+    for name in ("plan", "run", "compare"):
+        sub.choices[name].add_argument(
+            "--precision",
+            choices=PRECISIONS,
+            default="fp32",
+            help="fp32, or bf16: compute and gathers in bfloat16, float32 master weights, optimizer and reductions",
+        )
     _run_flags(sub.choices["run"])
     _compare_flags(sub.choices["compare"], sub.choices["suggest"])
     launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")

@@ -1,0 +1,133 @@
+"""Mixed precision as plan data: the dtypes a step stores, computes, gathers and reduces in, and the one cast
+that applies them to any model's parameter tree (as jmp does), whatever executor runs the step.
+
+The stored parameters and the optimizer state keep ``params`` (fp32 master weights). Each step casts the float
+leaves to ``gather`` on each device's own shard, before any FSDP all-gather, so the gathered bytes are the
+narrow ones; then to ``compute`` for the model. Gradients flow back through the casts and reach the optimizer
+in ``params`` again; on their way they are widened to ``reduce`` first, which is the dtype their reduction
+over the batch axes is asked to run in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd._rules import PlanError
+
+__all__ = ["Precision", "cast_params"]
+
+
+def _float_name(value: Any, field: str) -> str:
+    """The canonical name of a floating dtype (``"bfloat16"``), or a PlanError naming the field and the value."""
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise PlanError(
+            f"spmd.Precision: {field}={value!r} is not a floating dtype; give a name such as 'bfloat16', "
+            f"'float16' or 'float32'"
+        ) from None
+    return dtype.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A mixed-precision policy: ``compute`` (the model's parameters and activations), ``params`` (stored
+    master weights and optimizer state), ``gather`` (what FSDP all-gathers move; default ``compute``) and
+    ``reduce`` (the gradients' reduction). Names or dtypes; kept as canonical names.
+
+    >>> p = Precision()
+    >>> p.compute, p.params, p.gather, p.reduce
+    ('bfloat16', 'float32', 'bfloat16', 'float32')
+    >>> p.describe()
+    'mixed precision: compute bfloat16, params float32, gather bfloat16, reduce float32'
+    >>> try:
+    ...     Precision(compute="int8")
+    ... except PlanError as e:
+    ...     print(e)  # doctest: +ELLIPSIS
+    spmd.Precision: compute='int8' is not a floating dtype; give a name such as 'bfloat16', ...
+    """
+
+    compute: str = "bfloat16"
+    params: str = "float32"
+    gather: str | None = None
+    reduce: str = "float32"
+
+    def __post_init__(self) -> None:
+        for field in ("compute", "params", "reduce"):
+            object.__setattr__(self, field, _float_name(getattr(self, field), field))
+        gather = self.compute if self.gather is None else _float_name(self.gather, "gather")
+        object.__setattr__(self, "gather", gather)
+
+    def itemsize(self, field: str) -> int:
+        """Bytes per element of one of the policy's dtypes.
+
+        >>> Precision().itemsize("gather"), Precision().itemsize("params")
+        (2, 4)
+        """
+        return np.dtype(jnp.dtype(getattr(self, field))).itemsize
+
+    def describe(self) -> str:
+        """One line naming the four dtypes (see the class example)."""
+        return (
+            f"mixed precision: compute {self.compute}, params {self.params}, gather {self.gather}, reduce {self.reduce}"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _cast(x: jax.Array, sharding: Any, precision: Precision) -> jax.Array:
+    """One float leaf: narrowed on its own shard, then widened back to ``reduce`` on the way back."""
+
+    @jax.custom_vjp
+    def cast(x: jax.Array) -> jax.Array:
+        narrow = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+        return narrow.astype(precision.gather).astype(precision.compute)
+
+    def forward(x: jax.Array) -> tuple[jax.Array, None]:
+        return cast(x), None
+
+    def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
+        # The cotangent is widened before it is laid out as the stored shard: the reduction over the batch
+        # axes that the layout asks for is then made in ``reduce``.
+        wide = g.astype(precision.reduce)
+        wide = wide if sharding is None else jax.lax.with_sharding_constraint(wide, sharding)
+        return (wide.astype(x.dtype),)
+
+    cast.defvjp(forward, backward)
+    return cast(x)
+
+
+def cast_params(tree: Any, precision: Precision | None, shardings: Any = None) -> Any:
+    """``tree`` with its float leaves cast for computing under ``precision`` (None: the tree itself). Each cast
+    leaf is first constrained to its stored layout (``shardings``: a sharding or PartitionSpec per leaf, as
+    the plan stores the parameters; None: no constraint), so the narrowing happens on each device's shard
+    before any all-gather. Integer leaves and keys are left as they are; so is a leaf already in ``compute``.
+
+    >>> import jax.numpy as jnp
+    >>> tree = {"w": jnp.ones(2), "n": jnp.arange(2)}
+    >>> {k: str(v.dtype) for k, v in cast_params(tree, Precision()).items()}
+    {'n': 'int32', 'w': 'bfloat16'}
+    >>> g = jax.grad(lambda t: cast_params(t, Precision())["w"].sum())({"w": jnp.ones(2)})
+    >>> str(g["w"].dtype)  # gradients reach the stored leaves in the stored dtype
+    'float32'
+    """
+    if precision is None:
+        return tree
+
+    def one(x: Any, sharding: Any = None) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.dtype(precision.compute):
+            return x
+        return _cast(x, sharding, precision)
+
+    if shardings is None:
+        return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, shardings)
