@@ -113,7 +113,7 @@ class Collective:
     #: The element type the program moves (``bf16``), as GPU and TPU run it: ``bytes`` and ``traffic_bytes`` count
     #: at this width. XLA:CPU widens narrow floats on its wire (see the module doc); ``wire_bytes`` is the full
     #: buffer at the width it really sends (equal to ``bytes`` where nothing was widened).
-    dtype: str = ""
+    dtype: str = dataclasses.field(default="", compare=False)  # descriptive: equal inventories need not name it
     wire_bytes: int = -1
 
     def __post_init__(self) -> None:
@@ -634,8 +634,13 @@ def _tuple_uses(flow: _Dataflow, comp: str, value: _Instr) -> dict[int, list[_In
     return out
 
 
-def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
-    """Whether every use of array ``value`` in ``comp`` ends in a slice keeping 1/n of it along one dimension."""
+def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int, outer: tuple = ()) -> bool:
+    """Whether every use of array ``value`` in ``comp`` ends in a slice keeping 1/n of it along one dimension.
+    ``outer``: for a fused computation, (computation, fusion, its own outer) the fusion runs in: a value that is
+    the fusion's result (a fusion that only converts) goes on to the fusion's uses there."""
+    if value.root and outer:
+        outer_comp, fusion, further = outer
+        return _only_sliced(flow, outer_comp, fusion, n, further)
     uses = flow.users(comp).get(value.name, [])
     if value.root or not uses:
         return False
@@ -644,7 +649,7 @@ def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
             if position != 0 or not _keeps_one_nth(value.shape, user.shape, n):
                 return False
         elif user.opcode in _PASS_THROUGH:
-            if not _only_sliced(flow, comp, user, n):
+            if not _only_sliced(flow, comp, user, n, outer):
                 return False
         elif user.opcode == "fusion":
             callee = re.search(r"\bcalls=%?([\w.\-]+)", user.attrs)
@@ -654,7 +659,7 @@ def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
                 for i in flow.computations.get(fused, [])
                 if i.opcode == "parameter" and i.operands.strip() == str(position)
             ]
-            if len(params) != 1 or not _only_sliced(flow, fused, params[0], n):
+            if len(params) != 1 or not _only_sliced(flow, fused, params[0], n, (comp, user, outer)):
                 return False
         else:
             return False

@@ -100,7 +100,8 @@ class Report:
         widened = [c for c in self.collectives if c.widened]
         if not widened:
             return None
-        program = sorted({c.dtype for c in widened})
+        # A combined collective names its largest element's type; the widened ones are the narrow floats.
+        program = sorted({c.dtype for c in widened} - {"f32", "f64"}) or ["bf16"]
         wire, narrow = sum(c.wire_bytes for c in widened), sum(c.bytes for c in widened)
         return (
             f"this backend widens {'/'.join(program)} collectives to f32 on its wire: bytes and traffic count the "
