@@ -11,15 +11,16 @@ over the batch axes is asked to run in.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from spmd._rules import PlanError
 
-__all__ = ["Precision", "cast_params"]
+__all__ = ["MasterState", "Precision", "cast_params", "master_weights", "to_stored_dtype"]
 
 
 def _float_name(value: Any, field: str) -> str:
@@ -131,3 +132,76 @@ def cast_params(tree: Any, precision: Precision | None, shardings: Any = None) -
     if shardings is None:
         return jax.tree.map(one, tree)
     return jax.tree.map(one, tree, shardings)
+
+
+def to_stored_dtype(tree: Any, precision: Precision | None) -> Any:
+    """``tree`` (arrays or ShapeDtypeStructs, flax boxes kept) with its float leaves in ``precision.params``: how
+    the step stores parameters the model creates in another dtype (None: the tree itself).
+
+    >>> out = to_stored_dtype({"w": jax.ShapeDtypeStruct((2,), "float32")}, Precision(params="bfloat16"))
+    >>> str(out["w"].dtype)
+    'bfloat16'
+    """
+    if precision is None:
+        return tree
+
+    def one(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.dtype(precision.params):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.update(dtype=jnp.dtype(precision.params))
+        return x.astype(precision.params)
+
+    return jax.tree.map(one, tree)
+
+
+class MasterState(NamedTuple):
+    """The state of :func:`master_weights`: the master copy of the parameters and the inner optimizer's state.
+
+    >>> MasterState({"w": 1.0}, ()).master
+    {'w': 1.0}
+    """
+
+    master: Any
+    inner: Any
+
+
+def _widen(tree: Any, dtype: str) -> Any:
+    floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)  # noqa: E731
+    return jax.tree.map(lambda x: jnp.asarray(x).astype(dtype) if floating(x) else x, tree)
+
+
+def master_weights(inner: optax.GradientTransformation, dtype: Any = "float32") -> optax.GradientTransformation:
+    """``inner`` run on a ``dtype`` master copy of narrow stored parameters, the copy kept in the optimizer state:
+    ZeRO's mixed precision, where the stored parameters are the bf16 ones the model reads and the fp32 master
+    belongs to the optimizer state (so ZeRO-1/2 split it with the moments). Use it with
+    ``Precision(params="bfloat16")``. Each update takes the stored parameters to the updated master rounded to
+    their dtype, exactly (the update is given in ``dtype``).
+
+    >>> import jax.numpy as jnp, optax
+    >>> opt = master_weights(optax.sgd(1e-3))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = opt.init(params)
+    >>> for _ in range(4):  # 1e-3 steps: each below bf16's spacing at 1.0, kept by the fp32 master
+    ...     updates, state = opt.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...     params = optax.apply_updates(params, updates)
+    >>> params["w"].dtype, round(float(state.master["w"][0]), 6), float(params["w"][0])
+    (dtype(bfloat16), 0.996, 0.99609375)
+    """
+    dtype = _float_name(dtype, "dtype")
+
+    def init(params: Any) -> MasterState:
+        master = _widen(params, dtype)
+        return MasterState(master, inner.init(master))
+
+    def update(grads: Any, state: MasterState, params: Any = None) -> tuple[Any, MasterState]:
+        if params is None:
+            raise ValueError("master_weights: update needs params= (the stored parameters), as optax.adamw does")
+        updates, inner_state = inner.update(_widen(grads, dtype), state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        # In ``dtype``: stored + (rounded master - stored) is then the rounded master exactly.
+        step = jax.tree.map(lambda m, p: m.astype(p.dtype).astype(dtype) - p.astype(dtype), master, params)
+        return step, MasterState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)

@@ -19,7 +19,7 @@ from spmd._keys import BaseKey, StepKey, named
 from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._plan import Plan
-from spmd._precision import cast_params
+from spmd._precision import cast_params, to_stored_dtype
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
 from spmd._tree import unbox
@@ -125,7 +125,7 @@ class TrainStep:
                 f"loss_fn with them (its executor is not keyed; a pipeline runs staged=, whose functions take no "
                 f"key): train the model with dropout under a plan without this mode, or turn its dropout off here"
             )
-        stored = self.executor.to_stored(self.model_params)
+        stored = to_stored_dtype(self.executor.to_stored(self.model_params), plan.precision)
         trained = self.executor.to_trained(stored)
         self.layout: StateLayout = resolve_state(
             plan, stored, optimizer, mesh, trained=None if trained is stored else trained
@@ -148,7 +148,7 @@ class TrainStep:
         def create(rng: jax.Array) -> TrainState:
             with initialising(self.plan, self.traced_mesh, self.model_params):
                 created = init_fn(rng)
-            stored = ex.to_stored(created)
+            stored = to_stored_dtype(ex.to_stored(created), self.plan.precision)
             params = pad(unbox(stored), layout.params)
             opt_state = self.optimizer.init(pad(unbox(ex.to_trained(stored)), layout.trained))
             return TrainState(jnp.zeros((), jnp.int32), params, opt_state)

@@ -198,7 +198,8 @@ def model_state_bytes(layout: StateLayout, precision: Precision | None = None) -
     if precision is None:
         return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
     grads = sum(_in_compute(r, precision) for r in layout.grads.leaves)
-    copy = sum(_in_compute(r, precision) for r in layout.params.leaves)
+    # Leaves stored in the compute dtype already are used as they are: no copy.
+    copy = sum(_in_compute(r, precision) for r in layout.params.leaves if jnp.dtype(r.dtype) != precision.compute)
     total = params + grads + optimizer + copy
     return {"params": params, "grads": grads, "optimizer": optimizer, "compute_params": copy, "total": total}
 

@@ -109,3 +109,37 @@ def test_cli_plan_bf16_halves_the_gathers(capsys):
     assert before["wire_note"] is None
     assert "widens bf16 collectives to f32" in report["wire_note"]
     assert "mixed precision" in report["plan"]
+
+
+@pytest.mark.slow
+def test_bf16_stored_with_master_weights_equals_one_device():
+    # ZeRO's arrangement (bf16 parameters stored, the fp32 master in the optimizer state, split by ZeRO-2).
+    import optax
+
+    from spmd import data
+
+    def run(plan, mesh):
+        model = _model(plan)
+        opt = spmd.master_weights(optax.sgd(0.1, momentum=0.9))
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        step = spmd.TrainStep(models.loss_fn(model), opt, plan, mesh, params=params)
+        state = step.init(model.init, jax.random.key(0))
+        losses = []
+        for i in range(STEPS):
+            state, loss = step(state, data.batch(0, i, BATCH, model.config.seq_len, model.config.vocab))
+            losses.append(float(loss))
+        return np.array(losses), state
+
+    policy = strategies.mixed_precision(params="bfloat16")
+    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ref_losses, ref = run(policy, one)
+    losses, state = run(strategies.zero2() + policy, spmd.make_mesh({"data": 8}))
+    np.testing.assert_allclose(losses, ref_losses, rtol=BF16_ROUNDOFF)
+    assert {str(x.dtype) for x in jax.tree.leaves(state.params)} == {"bfloat16"}
+    masters = jax.tree.leaves(state.opt_state.master)
+    assert {str(x.dtype) for x in masters} == {"float32"}
+    kernel = state.opt_state.master["params"]["layers"]["mlp"]["wi"]["kernel"]
+    assert "data" in str(kernel.sharding.spec)  # the master is split with the optimizer state
+    # The stored parameters are the masters rounded to bf16.
+    for p, m in zip(jax.tree.leaves(state.params), masters, strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
