@@ -38,6 +38,30 @@ fused computation's parameter -- is the data operand of a ``dynamic-slice``/``sl
 exactly one dimension (N the group size). It is then reported with ``kind="reduce-scatter"`` and
 ``raw_kind="all-reduce"`` (what the CPU program really runs), ``bytes`` the full buffer S and reduce-scatter
 traffic (N-1)/N*S; a combined all-reduce whose elements differ is split between the two entries by bytes.
+
+Narrow floats count at the width the program moves them. XLA:CPU cannot run bf16 collectives: its float
+normalisation widens each bf16 all-gather, all-reduce or reduce-scatter to f32, rounding the operand through bf16
+first (a ``convert_convert_fusion`` f32 -> bf16 -> f32 feeds an f32 all-gather; reductions get a ``*_promoted``
+reduction). GPU and TPU send bf16. So, as for reduce-scatters, the inventory counts what an accelerator runs: a
+collective whose operand was last converted from a narrower float (followed through value-keeping ops and into
+fusions) has ``bytes`` and ``traffic_bytes`` at that width and ``dtype`` naming it, and ``wire_bytes`` keeps the
+buffer at the width the CPU program sends.
+
+For example (``collectives`` of a program gathering a buffer rounded through bf16):
+
+>>> text = '''HloModule m, num_partitions=2
+... %fused (param_0: f32[4]) -> f32[4] {
+...   %param_0 = f32[4]{0} parameter(0)
+...   %convert.1 = bf16[4]{0} convert(%param_0)
+...   ROOT %convert.2 = f32[4]{0} convert(%convert.1)
+... }
+... ENTRY %main (p: f32[4]) -> f32[8] {
+...   %p = f32[4]{0} parameter(0)
+...   %convert_convert_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused
+...   ROOT %g = f32[8]{0} all-gather(%convert_convert_fusion), replica_groups={{0,1}}, dimensions={0}
+... }'''
+>>> [(c.dtype, c.bytes, c.wire_bytes) for c in collectives(text)]
+[('bf16', 16, 32)]
 """
 
 from __future__ import annotations
@@ -179,23 +203,6 @@ def collectives(
     [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32,
                 raw_kind='all-reduce', spans=(), dtype='f32', wire_bytes=32)]
 
-    A buffer rounded through bf16 before it is sent is counted at bf16's width, as GPU and TPU send it; CPU
-    widens it to f32 on its wire (``wire_bytes``):
-
-    >>> text = '''HloModule m, num_partitions=2
-    ... %fused (param_0: f32[4]) -> f32[4] {
-    ...   %param_0 = f32[4]{0} parameter(0)
-    ...   %convert.1 = bf16[4]{0} convert(%param_0)
-    ...   ROOT %convert.2 = f32[4]{0} convert(%convert.1)
-    ... }
-    ... ENTRY %main (p: f32[4]) -> f32[8] {
-    ...   %p = f32[4]{0} parameter(0)
-    ...   %convert_convert_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused
-    ...   ROOT %g = f32[8]{0} all-gather(%convert_convert_fusion), replica_groups={{0,1}}, dimensions={0}
-    ... }'''
-    >>> [(c.dtype, c.bytes, c.wire_bytes) for c in collectives(text)]
-    [('bf16', 16, 32)]
-
     On a real program (a single device runs no collectives at all, so the check holds for any count):
 
     >>> import jax, jax.numpy as jnp, numpy as np
@@ -238,6 +245,11 @@ def collectives(
                 total[3] += times * nbytes
                 dtypes[key][dtype] += times * nbytes * narrow
 
+    return _inventory(totals, dtypes)
+
+
+def _inventory(totals: Mapping[tuple, list[float]], dtypes: Mapping[tuple, Mapping[str, float]]) -> list[Collective]:
+    """One :class:`Collective` per (kind, raw_kind, axes, group_size, spans), the largest traffic first."""
     out = [
         Collective(
             kind,

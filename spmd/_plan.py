@@ -35,6 +35,12 @@ def _merge_unique(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     return a + tuple(x for x in b if x not in a)
 
 
+def _one_precision(a: Precision | None, b: Precision | None) -> Precision | None:
+    if a is not None and b is not None and a != b:
+        raise PlanError(f"two precision policies in one plan: {a} and {b}; a step computes in one, keep one")
+    return a or b
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A partitioning plan: plain, frozen, comparable data. Build one with a strategy or :meth:`from_rules`.
@@ -42,8 +48,7 @@ class Plan:
     ``parts`` lay out the arrays; ``batch_axes`` split batches; ``replicate`` holds regexes of paths allowed to
     stay replicated where their axes do not divide; ``strict`` turns rules matching nothing and uncovered arrays
     into errors; ``remat`` asks the model to rematerialise each layer in the backward pass (FSDP re-gathers rather
-    than keeps weights); ``execution`` is the one manual part, or None (see :mod:`spmd.execution`);
-    ``precision`` is the mixed-precision policy the step applies to the parameters, or None (their own dtypes).
+    than keeps weights); ``execution`` the one manual part (:mod:`spmd.execution`), ``precision`` the dtypes; or None.
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -92,9 +97,6 @@ class Plan:
         if a is not None and b is not None and a != b:
             what = f"two {a.source} parts in one plan" if type(a) is type(b) else f"{a.source} and {b.source}"
             raise PlanError(f"{what}: {a.describe()} and {b.describe()}; a plan runs one execution mode, keep one")
-        p, q = self.precision, other.precision
-        if p is not None and q is not None and p != q:
-            raise PlanError(f"two precision policies in one plan: {p} and {q}; a step computes in one, keep one")
         return Plan(
             parts=self.parts + other.parts,
             batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
@@ -103,7 +105,7 @@ class Plan:
             notes=_merge_unique(self.notes, other.notes),
             remat=self.remat or other.remat,
             execution=a or b,
-            precision=p or q,
+            precision=_one_precision(self.precision, other.precision),
         )
 
     def allow_replication(self, *patterns: str) -> Plan:
@@ -162,12 +164,8 @@ class Plan:
             else "; parameters replicated"
         )
         remat = "; layers rematerialised" if self.remat else ""
-        precision = f"; {self.precision.describe()}" if self.precision is not None else ""
-        return (
-            f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}"
-            + (f"; {ex.describe()}" if ex is not None else "")
-            + precision
-        )
+        tail = "".join(f"; {x.describe()}" for x in (ex, self.precision) if x is not None)
+        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}{tail}"
 
     def __str__(self) -> str:
         return self.describe()
