@@ -302,7 +302,7 @@ def bf16_check(run: Trained, ref: Trained, lr: float) -> dict[str, Any]:
     in bf16 and round their partial sums in different orders, so they cannot agree to fp32's 1e-4. The loss is
     an fp32 mean over every token of cross-entropies of bf16 logits: independent roundings, each at most one
     unit roundoff u = 2^-8 relative, average out, so the losses must agree within u relative at every step (a
-    wrong reduction or layout moves them by far more; gpt-tiny dp+fsdp measures about 0.03u). Adam moves each
+    wrong reduction or layout moves them by far more; gpt-tiny dp+fsdp measures about 0.02u). Adam moves each
     parameter by about ``lr`` a step whatever its gradient's size (the update is m/sqrt(v)): a near-zero
     gradient whose sign rounding flips puts the runs up to 2·lr apart per step, so parameters are held to
     2·lr·steps, and the losses are the sharp test.
