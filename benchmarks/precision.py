@@ -99,8 +99,8 @@ def main() -> None:
             f"{used(b) / used(a):.3f}",
         )
     Console().print(table)
-    print("Adam's int32 step count (4 bytes) is left out of the model state. 'fp32 / fp32 table': fp32 state against the")
-    print("fp32 table (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N).")
+    print("Adam's int32 step count (4 bytes) is left out of the model state. 'fp32 / fp32 table': fp32 state")
+    print("against the fp32 table (16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N).")
 
 
 if __name__ == "__main__":
