@@ -3,9 +3,12 @@ that applies them to any model's parameter tree (as jmp does), whatever executor
 
 The stored parameters and the optimizer state keep ``params`` (fp32 master weights). Each step casts the float
 leaves to ``gather`` on each device's own shard, before any FSDP all-gather, so the gathered bytes are the
-narrow ones; then to ``compute`` for the model. Gradients flow back through the casts and reach the optimizer
-in ``params`` again; on their way they are widened to ``reduce`` first, which is the dtype their reduction
-over the batch axes is asked to run in.
+narrow ones; then to ``compute`` for the model. The gradients come back in the compute dtype and reach the
+optimizer in ``params``. ``reduce`` names the dtype the gradients' reduction should run in; under SPMD
+annotations the compiler reduces each gradient at the matmul that makes it, in that matmul's dtype, so a model
+computing in bf16 reduces in bf16 whatever ``reduce`` says (the report reads the dtype the compiled reductions
+carry). :func:`master_weights` is ZeRO's arrangement instead: narrow stored parameters and the fp32 master in the
+optimizer state.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _float_name(value: Any, field: str) -> str:
     """The canonical name of a floating dtype (``"bfloat16"``), or a PlanError naming the field and the value."""
     try:
         dtype = np.dtype(jnp.dtype(value))
-    except TypeError:
+    except (TypeError, ValueError):
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise PlanError(
@@ -41,7 +44,7 @@ def _float_name(value: Any, field: str) -> str:
 class Precision:
     """A mixed-precision policy: ``compute`` (the model's parameters and activations), ``params`` (stored
     master weights and optimizer state), ``gather`` (what FSDP all-gathers move; default ``compute``) and
-    ``reduce`` (the gradients' reduction). Names or dtypes; kept as canonical names.
+    ``reduce`` (the gradients' reduction: see the module doc). Names or dtypes; kept as canonical names.
 
     >>> p = Precision()
     >>> p.compute, p.params, p.gather, p.reduce
@@ -85,25 +88,9 @@ class Precision:
 
 
 def _cast(x: jax.Array, sharding: Any, precision: Precision) -> jax.Array:
-    """One float leaf: narrowed on its own shard, then widened back to ``reduce`` on the way back."""
-
-    @jax.custom_vjp
-    def cast(x: jax.Array) -> jax.Array:
-        narrow = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-        return narrow.astype(precision.gather).astype(precision.compute)
-
-    def forward(x: jax.Array) -> tuple[jax.Array, None]:
-        return cast(x), None
-
-    def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
-        # The cotangent is widened before it is laid out as the stored shard: the reduction over the batch
-        # axes that the layout asks for is then made in ``reduce``.
-        wide = g.astype(precision.reduce)
-        wide = wide if sharding is None else jax.lax.with_sharding_constraint(wide, sharding)
-        return (wide.astype(x.dtype),)
-
-    cast.defvjp(forward, backward)
-    return cast(x)
+    """One float leaf, narrowed on its own shard (constrained to its stored layout first)."""
+    narrow = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+    return narrow.astype(precision.gather).astype(precision.compute)
 
 
 def cast_params(tree: Any, precision: Precision | None, shardings: Any = None) -> Any:

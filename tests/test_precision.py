@@ -15,7 +15,7 @@ from spmd import models
 from spmd.cli.train import BF16_ROUNDOFF
 from tests.conftest import run_cli, train_steps
 
-STEPS, BATCH = 2, 16
+STEPS, BATCH = 2, 8
 BF16 = strategies.mixed_precision()
 SHAPES = {"dp": (8, 1, 1), "zero3": (8, 1, 1), "dp+fsdp+tp": (2, 2, 2)}
 SLOW = ("dp",)  # the default tier keeps zero3 and dp+fsdp+tp
@@ -92,8 +92,8 @@ def test_cli_precision_bad_value(capsys):
 
 def test_cli_plan_bf16_halves_the_gathers(capsys):
     def gathered(*extra):
-        args = ("plan", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=8", "--strategy", "zero3")
-        code, out, _ = run_cli(capsys, *args, "--json", "--devices", "8", *extra)
+        args = ("plan", "--model", "gpt-tiny", "--layers", "1", "--mesh", "data=8", "--strategy", "zero3")
+        code, out, _ = run_cli(capsys, *args, "--json", "--devices", "8", "--batch-size", "8", *extra)
         assert code == 0
         report = json.loads(out)
         return sum(c["bytes"] for c in report["collectives"] if c["kind"] == "all-gather"), report
@@ -143,3 +143,19 @@ def test_bf16_stored_with_master_weights_equals_one_device():
     # The stored parameters are the masters rounded to bf16.
     for p, m in zip(jax.tree.leaves(state.params), masters, strict=True):
         np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+
+
+@pytest.mark.slow
+def test_cli_run_bf16_check_passes_and_the_loss_falls_as_in_fp32(capsys):
+    def run(precision):
+        args = ("run", "--model", "gpt-tiny", "--mesh", "data=2,fsdp=4", "--strategy", "dp+fsdp", "--steps", "6")
+        code, out, _ = run_cli(capsys, *args, "--check", "--json", "--precision", precision)
+        assert code == 0
+        return json.loads(out)
+
+    fp32, bf16 = run("fp32"), run("bf16")
+    assert bf16["bf16_check"]["passed"], bf16["bf16_check"]
+    assert bf16["bf16_check"]["loss_rel_diff"] <= BF16_ROUNDOFF
+    assert bf16["losses"][-1] < bf16["losses"][0] - 0.5  # it trains
+    np.testing.assert_allclose(bf16["losses"], fp32["losses"], rtol=BF16_ROUNDOFF)
+    assert "bf16_check" not in fp32 and fp32["max_abs_diff"] <= 1e-4

@@ -27,7 +27,7 @@ def command(args: argparse.Namespace) -> int:
         "axis_types": s.mesh.axis_types[0].name.lower(),
         "plan": run.step.plan_carried_out(s.abstract_batch()).describe(),  # no remat claimed where none is applied
         "losses": run.losses,
-        "per_device_bytes": costmodel.model_state_bytes(run.step.layout),
+        "per_device_bytes": costmodel.model_state_bytes(run.step.layout, s.plan.precision),
     }
     spec = s.plan.execution
     if isinstance(spec, Shares):
