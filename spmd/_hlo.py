@@ -744,7 +744,10 @@ def payload(flow: _Dataflow, comp: str, instr: _Instr) -> tuple[str, float]:
     shapes = flow.shapes(comp)
     wire = narrow = 0.0
     kinds: dict[str, float] = defaultdict(float)
-    for name, shape in zip(_operand_names(instr.operands), _operand_shapes(instr.operands, shapes), strict=True):
+    names, operand_shapes = _operand_names(instr.operands), _operand_shapes(instr.operands, shapes)
+    if len(names) != len(operand_shapes):  # no operands to read: the result's own type
+        return _element_type(instr.shape), 1.0
+    for name, shape in zip(names, operand_shapes, strict=True):
         if shape is None:
             continue
         size, own = _shape_bytes(shape), _element_type(shape)
