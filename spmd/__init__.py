@@ -24,6 +24,7 @@ from spmd._launch import initialize
 from spmd._layout import Layout, LeafLayout, StateLayout, resolve_state
 from spmd._mesh import make_mesh, parse_mesh
 from spmd._plan import Plan
+from spmd._precision import Precision, master_weights
 from spmd._remat import Remat, rematerialise
 from spmd._report import Report, report
 from spmd._resolve import PlanWarning
@@ -40,6 +41,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanWarning",
+    "Precision",
     "Remat",
     "Report",
     "StateLayout",
@@ -58,6 +60,7 @@ __all__ = [
     "global_batch",
     "initialize",
     "make_mesh",
+    "master_weights",
     "parse_mesh",
     "pipeline",
     "rematerialise",

@@ -38,6 +38,30 @@ fused computation's parameter -- is the data operand of a ``dynamic-slice``/``sl
 exactly one dimension (N the group size). It is then reported with ``kind="reduce-scatter"`` and
 ``raw_kind="all-reduce"`` (what the CPU program really runs), ``bytes`` the full buffer S and reduce-scatter
 traffic (N-1)/N*S; a combined all-reduce whose elements differ is split between the two entries by bytes.
+
+Narrow floats count at the width the program moves them. XLA:CPU cannot run bf16 collectives: its float
+normalisation widens each bf16 all-gather, all-reduce or reduce-scatter to f32, rounding the operand through bf16
+first (a ``convert_convert_fusion`` f32 -> bf16 -> f32 feeds an f32 all-gather; reductions get a ``*_promoted``
+reduction). GPU and TPU send bf16. So, as for reduce-scatters, the inventory counts what an accelerator runs: a
+collective whose operand was last converted from a narrower float (followed through value-keeping ops and into
+fusions) has ``bytes`` and ``traffic_bytes`` at that width and ``dtype`` naming it, and ``wire_bytes`` keeps the
+buffer at the width the CPU program sends.
+
+For example (``collectives`` of a program gathering a buffer rounded through bf16):
+
+>>> text = '''HloModule m, num_partitions=2
+... %fused (param_0: f32[4]) -> f32[4] {
+...   %param_0 = f32[4]{0} parameter(0)
+...   %convert.1 = bf16[4]{0} convert(%param_0)
+...   ROOT %convert.2 = f32[4]{0} convert(%convert.1)
+... }
+... ENTRY %main (p: f32[4]) -> f32[8] {
+...   %p = f32[4]{0} parameter(0)
+...   %convert_convert_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused
+...   ROOT %g = f32[8]{0} all-gather(%convert_convert_fusion), replica_groups={{0,1}}, dimensions={0}
+... }'''
+>>> [(c.dtype, c.bytes, c.wire_bytes) for c in collectives(text)]
+[('bf16', 16, 32)]
 """
 
 from __future__ import annotations
@@ -110,10 +134,22 @@ class Collective:
     #: one group spans. XLA's partitioner makes such part-axis groups when it reshards in steps (a gather from a
     #: table split over an axis the indices are split over too gathers over 2 of a 4-device axis).
     spans: tuple[int, ...] = ()
+    #: The element type the program moves (``bf16``), as GPU and TPU run it: ``bytes`` and ``traffic_bytes`` count
+    #: at this width. XLA:CPU widens narrow floats on its wire (see the module doc); ``wire_bytes`` is the full
+    #: buffer at the width it really sends (equal to ``bytes`` where nothing was widened).
+    dtype: str = dataclasses.field(default="", compare=False)  # descriptive: equal inventories need not name it
+    wire_bytes: int = -1
 
     def __post_init__(self) -> None:
         if not self.raw_kind:
             object.__setattr__(self, "raw_kind", self.kind)
+        if self.wire_bytes < 0:
+            object.__setattr__(self, "wire_bytes", self.bytes)
+
+    @property
+    def widened(self) -> bool:
+        """Whether the compiled program sends a wider type than the program's own (CPU's bf16 -> f32)."""
+        return self.wire_bytes != self.bytes
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; ``axes`` becomes a list."""
@@ -126,6 +162,8 @@ class Collective:
             "axes": list(self.axes),
             "group_size": self.group_size,
             "spans": list(self.spans),
+            "dtype": self.dtype,
+            "wire_bytes": self.wire_bytes,
         }
 
 
@@ -163,7 +201,7 @@ def collectives(
     ... }'''
     >>> collectives(text)  # doctest: +NORMALIZE_WHITESPACE
     [Collective(kind='all-reduce', axes=(), group_size=2, count=1, bytes=32, traffic_bytes=32,
-                raw_kind='all-reduce', spans=())]
+                raw_kind='all-reduce', spans=(), dtype='f32', wire_bytes=32)]
 
     On a real program (a single device runs no collectives at all, so the check holds for any count):
 
@@ -182,7 +220,8 @@ def collectives(
     multiplier = _multipliers(computations, entry, branch_weights or {})
 
     flow = _Dataflow(computations)
-    totals: dict[tuple[str, str, tuple[str, ...], int, tuple[int, ...]], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    totals: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+    dtypes: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for comp_name, times in multiplier.items():
         instrs = computations[comp_name]
         shapes = {i.name: i.shape for i in instrs}
@@ -196,15 +235,36 @@ def collectives(
                 scattered = _sliced_bytes(flow, comp_name, instr, n)
                 split = [("reduce-scatter", scattered), ("all-reduce", size - scattered)]
                 parts = [(k, b) for k, b in split if b > 0] or parts
+            dtype, narrow = payload(flow, comp_name, instr)
             for counted, nbytes in parts:
-                total = totals[(counted, kind, axes, n, spans)]
+                key = (counted, kind, axes, n, spans)
+                total = totals[key]
                 total[0] += times
-                total[1] += times * nbytes
-                total[2] += times * nbytes * _traffic_factor(counted, n)
+                total[1] += times * nbytes * narrow
+                total[2] += times * nbytes * narrow * _traffic_factor(counted, n)
+                total[3] += times * nbytes
+                dtypes[key][dtype] += times * nbytes * narrow
 
+    return _inventory(totals, dtypes)
+
+
+def _inventory(totals: Mapping[tuple, list[float]], dtypes: Mapping[tuple, Mapping[str, float]]) -> list[Collective]:
+    """One :class:`Collective` per (kind, raw_kind, axes, group_size, spans), the largest traffic first."""
     out = [
-        Collective(kind, axes, n, round(count), round(nbytes), round(traffic), raw_kind, spans)
-        for (kind, raw_kind, axes, n, spans), (count, nbytes, traffic) in totals.items()
+        Collective(
+            kind,
+            axes,
+            n,
+            round(count),
+            round(nbytes),
+            round(traffic),
+            raw_kind,
+            spans,
+            max(dtypes[key], key=dtypes[key].get),
+            round(wire),
+        )  # fmt: skip
+        for key, (count, nbytes, traffic, wire) in totals.items()
+        for kind, raw_kind, axes, n, spans in [key]
     ]
     out.sort(key=lambda c: (-c.traffic_bytes, c.kind, c.raw_kind, c.axes, c.spans))
     return out
@@ -507,8 +567,9 @@ def _shape_bytes(shape: str) -> int:
 
 # ------------------------------------------------------------------- all-reduces that are only sliced
 
-# Ops that pass a value on unchanged in content (layout or shape only), followed when looking for its slices.
-_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "all-reduce-done")
+# Ops that pass a value on unchanged in content (layout or shape only; a convert keeps which elements are
+# used), followed when looking for its slices.
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "all-reduce-done", "convert")
 _SLICES = ("dynamic-slice", "slice")
 
 
@@ -518,6 +579,18 @@ class _Dataflow:
     def __init__(self, computations: dict[str, list[_Instr]]):
         self.computations = computations
         self._users: dict[str, dict[str, list[tuple[_Instr, int]]]] = {}
+        self._by_name: dict[str, dict[str, _Instr]] = {}
+
+    def producer(self, comp: str, name: str | None) -> _Instr | None:
+        """The instruction of ``comp`` named ``name``."""
+        if comp not in self._by_name:
+            self._by_name[comp] = {i.name: i for i in self.computations.get(comp, [])}
+        return self._by_name[comp].get(name or "")
+
+    def shapes(self, comp: str) -> dict[str, str]:
+        """value name -> shape in ``comp``."""
+        self.producer(comp, None)
+        return {name: i.shape for name, i in self._by_name[comp].items()}
 
     def users(self, comp: str) -> dict[str, list[tuple[_Instr, int]]]:
         """value name -> (user, operand position) for each use in ``comp``."""
@@ -573,8 +646,13 @@ def _tuple_uses(flow: _Dataflow, comp: str, value: _Instr) -> dict[int, list[_In
     return out
 
 
-def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
-    """Whether every use of array ``value`` in ``comp`` ends in a slice keeping 1/n of it along one dimension."""
+def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int, outer: tuple = ()) -> bool:
+    """Whether every use of array ``value`` in ``comp`` ends in a slice keeping 1/n of it along one dimension.
+    ``outer``: for a fused computation, (computation, fusion, its own outer) the fusion runs in: a value that is
+    the fusion's result (a fusion that only converts) goes on to the fusion's uses there."""
+    if value.root and outer:
+        outer_comp, fusion, further = outer
+        return _only_sliced(flow, outer_comp, fusion, n, further)
     uses = flow.users(comp).get(value.name, [])
     if value.root or not uses:
         return False
@@ -583,7 +661,7 @@ def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
             if position != 0 or not _keeps_one_nth(value.shape, user.shape, n):
                 return False
         elif user.opcode in _PASS_THROUGH:
-            if not _only_sliced(flow, comp, user, n):
+            if not _only_sliced(flow, comp, user, n, outer):
                 return False
         elif user.opcode == "fusion":
             callee = re.search(r"\bcalls=%?([\w.\-]+)", user.attrs)
@@ -593,7 +671,7 @@ def _only_sliced(flow: _Dataflow, comp: str, value: _Instr, n: int) -> bool:
                 for i in flow.computations.get(fused, [])
                 if i.opcode == "parameter" and i.operands.strip() == str(position)
             ]
-            if len(params) != 1 or not _only_sliced(flow, fused, params[0], n):
+            if len(params) != 1 or not _only_sliced(flow, fused, params[0], n, (comp, user, outer)):
                 return False
         else:
             return False
@@ -615,6 +693,71 @@ def _dims(shape: str) -> list[int] | None:
         return None
     sizes = [d.strip() for d in arrays[0][1].split(",") if d.strip()]
     return [int(d) for d in sizes] if all(d.isdigit() for d in sizes) else None
+
+
+# ------------------------------------------------------------------- the program's payload type
+
+# Ops that move a value's elements without changing them: a narrow value stays narrow through them.
+_KEEPS_VALUES = ("bitcast", "copy", "reshape", "transpose", "slice", "dynamic-slice", "broadcast")
+
+
+def _element_type(shape: str) -> str:
+    found = _ARRAY_SHAPE.search(shape)
+    return found.group(1) if found else ""
+
+
+def _float_bits(dtype: str) -> int | None:
+    if not (dtype.startswith("f") or dtype == "bf16") or dtype not in _DTYPE_BITS and not re.match(r"f\d+e", dtype):
+        return None
+    return _DTYPE_BITS.get(dtype) or int(re.match(r"f(\d+)", dtype).group(1))
+
+
+def _rounded_through(flow: _Dataflow, comp: str, name: str | None, outer: tuple = ()) -> str | None:
+    """The narrower float type value ``name`` of ``comp`` was last converted from (``bf16`` for
+    ``convert(bf16 -> f32)``), followed back through value-keeping ops and into and out of fusions; else None."""
+    instr = flow.producer(comp, name)
+    if instr is None:
+        return None
+    operands = _operand_names(instr.operands)
+    if instr.opcode == "convert":
+        source = _element_type(_operand_shapes(instr.operands, flow.shapes(comp))[0] or "")
+        narrow, wide = _float_bits(source), _float_bits(_element_type(instr.shape))
+        return source if narrow is not None and wide is not None and narrow < wide else None
+    if instr.opcode in _KEEPS_VALUES and operands:
+        return _rounded_through(flow, comp, operands[0], outer)
+    if instr.opcode == "fusion":
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", instr.attrs)
+        root = next((i for i in flow.computations.get(callee.group(1) if callee else "", []) if i.root), None)
+        return None if root is None else _rounded_through(flow, callee.group(1), root.name, (comp, instr, outer))
+    if instr.opcode == "parameter" and outer:
+        outer_comp, fusion, further = outer
+        index = int(instr.operands.strip()) if instr.operands.strip().isdigit() else -1
+        names = _operand_names(fusion.operands)
+        return _rounded_through(flow, outer_comp, names[index], further) if 0 <= index < len(names) else None
+    return None
+
+
+def payload(flow: _Dataflow, comp: str, instr: _Instr) -> tuple[str, float]:
+    """The element type a collective's program moves, and its bytes as a share of the compiled buffer's: an
+    operand the program rounds through a narrower float before sending (XLA:CPU's float normalisation widens
+    bf16 collectives to f32 and rounds their operands first) counts at the narrow width."""
+    shapes = flow.shapes(comp)
+    wire = narrow = 0.0
+    kinds: dict[str, float] = defaultdict(float)
+    names, operand_shapes = _operand_names(instr.operands), _operand_shapes(instr.operands, shapes)
+    if len(names) != len(operand_shapes):  # no operands to read: the result's own type
+        return _element_type(instr.shape), 1.0
+    for name, shape in zip(names, operand_shapes, strict=True):
+        if shape is None:
+            continue
+        size, own = _shape_bytes(shape), _element_type(shape)
+        through = _rounded_through(flow, comp, name)
+        width = (_float_bits(through) or 0) / (_float_bits(own) or 1) if through else 1.0
+        wire, narrow = wire + size, narrow + size * width
+        kinds[through or own] += size * width
+    if not wire:
+        return _element_type(instr.shape), 1.0
+    return max(kinds, key=kinds.get), narrow / wire
 
 
 # ----------------------------------------------------------------------------- device groups

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmd import axes as names
 from spmd._accumulate import check_accumulate, merged, with_accumulation
 from spmd._layout import Layout
+from spmd._precision import Precision
 from spmd._remat import Remat
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
 from spmd._rules import (
@@ -36,6 +37,12 @@ def _merge_unique(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     return a + tuple(x for x in b if x not in a)
 
 
+def _one_precision(a: Precision | None, b: Precision | None) -> Precision | None:
+    if a is not None and b is not None and a != b:
+        raise PlanError(f"two precision policies in one plan: {a} and {b}; a step computes in one, keep one")
+    return a or b
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A partitioning plan: plain, frozen, comparable data. Build one with a strategy or :meth:`from_rules`.
@@ -46,7 +53,7 @@ class Plan:
     :meth:`spmd.Remat.of` reads: a bool or ``"dots"``, ``"names:a,b"``...); ``execution`` is the one manual
     part, or None (see :mod:`spmd.execution`); ``offload`` names the parts of the training state kept in host
     memory; ``accumulate`` runs each step's batch as that many microbatches, gradients reduced once per step
-    (:meth:`with_accumulation`).
+    (:meth:`with_accumulation`); ``precision`` is the step's dtypes (a :class:`spmd.Precision`), or None.
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
@@ -65,6 +72,7 @@ class Plan:
     execution: ExecutionSpec | None = None
     offload: tuple[str, ...] = ()  # parts of the training state kept in host memory (strategies.offload)
     accumulate: int = 1
+    precision: Precision | None = None
 
     def __post_init__(self) -> None:
         check_accumulate(self.accumulate, "Plan(accumulate=...)")
@@ -94,23 +102,7 @@ class Plan:
         return cls(parts=(LogicalRules.parse(rules, source),))
 
     def __add__(self, other: Plan) -> Plan:
-        if not isinstance(other, Plan):
-            return NotImplemented
-        a, b = self.execution, other.execution
-        if a is not None and b is not None and a != b:
-            what = f"two {a.source} parts in one plan" if type(a) is type(b) else f"{a.source} and {b.source}"
-            raise PlanError(f"{what}: {a.describe()} and {b.describe()}; a plan runs one execution mode, keep one")
-        return Plan(
-            parts=self.parts + other.parts,
-            batch_axes=_merge_unique(self.batch_axes, other.batch_axes),
-            replicate=_merge_unique(self.replicate, other.replicate),
-            strict=self.strict or other.strict,
-            notes=_merge_unique(self.notes, other.notes),
-            remat=self.remat.merge(other.remat),
-            execution=a or b,
-            offload=_merge_unique(self.offload, other.offload),
-            accumulate=merged(self.accumulate, other.accumulate),
-        )
+        return _combined(self, other) if isinstance(other, Plan) else NotImplemented
 
     def allow_replication(self, *patterns: str) -> Plan:
         """Opts paths matching any regex into staying replicated where their mesh axes do not divide a dimension.
@@ -152,20 +144,12 @@ class Plan:
         return dataclasses.replace(self, strict=strict)
 
     def describe(self) -> str:
-        """One line: the batch axes, the parts and the execution mode.
+        """One line: the batch axes, the parts, the execution mode and the training policies.
 
         >>> Plan(batch_axes=("data",)).describe()
         'batch over data; parameters replicated'
         """
-        ex = self.execution
-        parts = list(dict.fromkeys(part.describe() for part in self.parts))  # each once, in order
-        bare = "" if ex is not None and ex.splits_state else "; parameters replicated"
-        shown = f"; {' + '.join(parts)}" if parts else bare
-        remat = f"; {self.remat.describe()}" if self.remat else ""
-        mode = f"; {ex.describe()}" if ex is not None else ""
-        accumulate = f"; gradients accumulated over {self.accumulate} microbatches" if self.accumulate > 1 else ""
-        offload = "".join(f"; {part} state offloaded to host" for part in self.offload)
-        return f"batch over {','.join(self.batch_axes) or 'replicated'}{shown}{remat}{mode}{accumulate}{offload}"
+        return _described(self)
 
     def __str__(self) -> str:
         return self.describe()
@@ -292,3 +276,35 @@ class Plan:
         P('data', None)
         """
         return activation_spec(self.logical_rules(), logical, shape, sizes_of(mesh))
+
+
+def _combined(a: Plan, b: Plan) -> Plan:
+    """``a + b``: parts in order, axes and notes merged, one execution mode and one of each policy."""
+    x, y = a.execution, b.execution
+    if x is not None and y is not None and x != y:
+        what = f"two {x.source} parts in one plan" if type(x) is type(y) else f"{x.source} and {y.source}"
+        raise PlanError(f"{what}: {x.describe()} and {y.describe()}; a plan runs one execution mode, keep one")
+    return Plan(
+        parts=a.parts + b.parts,
+        batch_axes=_merge_unique(a.batch_axes, b.batch_axes),
+        replicate=_merge_unique(a.replicate, b.replicate),
+        strict=a.strict or b.strict,
+        notes=_merge_unique(a.notes, b.notes),
+        remat=a.remat.merge(b.remat),
+        execution=x or y,
+        offload=_merge_unique(a.offload, b.offload),
+        accumulate=merged(a.accumulate, b.accumulate),
+        precision=_one_precision(a.precision, b.precision),
+    )
+
+
+def _described(plan: Plan) -> str:
+    ex = plan.execution
+    parts = list(dict.fromkeys(part.describe() for part in plan.parts))  # each once, in order
+    bare = "" if ex is not None and ex.splits_state else "; parameters replicated"
+    said = [f"batch over {','.join(plan.batch_axes) or 'replicated'}", f"; {' + '.join(parts)}" if parts else bare]
+    said += [f"; {plan.remat.describe()}" if plan.remat else "", f"; {ex.describe()}" if ex is not None else ""]
+    if plan.accumulate > 1:
+        said.append(f"; gradients accumulated over {plan.accumulate} microbatches")
+    said += [f"; {part} state offloaded to host" for part in plan.offload]
+    return "".join(said) + (f"; {plan.precision.describe()}" if plan.precision is not None else "")

@@ -103,6 +103,22 @@ class Report:
         return dataclasses.replace(self, data_parallel=dataclasses.replace(baseline, data_parallel=None))
 
     @property
+    def wire_note(self) -> str | None:
+        """One sentence when the compiled program sends some collective wider than the program's own type (XLA:CPU
+        widens bf16 collectives to f32): its ``bytes`` are the program's, as GPU and TPU send them."""
+        widened = [c for c in self.collectives if c.widened]
+        if not widened:
+            return None
+        # A combined collective names its largest element's type; the widened ones are the narrow floats.
+        program = sorted({c.dtype for c in widened} - {"f32", "f64"}) or ["bf16"]
+        wire, narrow = sum(c.wire_bytes for c in widened), sum(c.bytes for c in widened)
+        return (
+            f"this backend widens {'/'.join(program)} collectives to f32 on its wire: bytes and traffic count the "
+            f"program's {'/'.join(program)} (as GPU and TPU send them), {format_bytes(narrow)} of the "
+            f"{format_bytes(wire)} these collectives send here"
+        )
+
+    @property
     def activation_rules(self) -> list[str]:
         """The plan's logical rules for activation names (MaxText's ``activation_*``, ``seq``) that no parameter
         names: they lay out the activations that model code constrains by those names (flax's
@@ -125,6 +141,7 @@ class Report:
             "collectives": [c.to_dict() for c in self.collectives],
             "analytic_collectives": [t.to_dict() for t in self.analytic_collectives],
             "comm_bytes_per_step": self.comm_bytes_per_step,
+            "wire_note": self.wire_note,
             "analytic_memory": self.analytic_memory,
             "flops_per_device": self.flops_per_device,
             "compiled_flops_per_device": self.compiled_flops,

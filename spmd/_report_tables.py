@@ -70,8 +70,13 @@ def _memory(report: Report) -> Table:
     for col in ("", "analytic", "compiled"):
         table.add_column(col, justify="left" if not col else "right")
     pd, am, cm = report.per_device_bytes, report.analytic_memory, report.compiled_memory
-    table.add_row("parameters", format_bytes(pd.get("params")), "")
-    table.add_row("gradients", format_bytes(pd.get("grads")), "")
+    p = report.plan.precision
+    # Under a precision policy each row says its dtype: what is stored, and what the step makes.
+    kept, made = ("", "") if p is None else (f" ({p.params} master)", f" ({p.compute})")
+    table.add_row(f"parameters{kept}", format_bytes(pd.get("params")), "")
+    if p is not None:
+        table.add_row(f"  cast copy for compute{made}, each step", format_bytes(pd.get("compute_params")), "")
+    table.add_row(f"gradients{made}", format_bytes(pd.get("grads")), "")
     table.add_row("optimizer state", format_bytes(pd.get("optimizer")), "")
     table.add_row(
         "arguments (state + batch)", format_bytes(am.get("argument_bytes")), format_bytes(cm.get("argument_bytes"))
@@ -112,6 +117,8 @@ def _collectives(report: Report) -> Table:
     compiled, analytic = format_bytes(traffic["compiled"]), format_bytes(traffic["analytic"]) or "unknown"
     only = " (parameters only: the workload is unknown)" if report.flops_per_device is None else ""
     table.caption = f"traffic per device per step: compiled {compiled}, analytic {analytic}{only}"
+    if report.wire_note:
+        table.caption += f"; {report.wire_note}"
     if report.compiled_flops is not None:
         model = f" ({report.compiled_flops / report.model_flops:.2f}× 6·N·T)" if report.model_flops else ""
         table.caption += f"; matmul FLOPs per device: compiled {report.compiled_flops:.3g}{model}, analytic " + (

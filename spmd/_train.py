@@ -21,6 +21,7 @@ from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._offload import check_host_memory, offloaded, on_device, on_host
 from spmd._plan import Plan
+from spmd._precision import cast_params, to_stored_dtype
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
 from spmd._tree import unbox
@@ -127,7 +128,7 @@ class TrainStep:
                 f"loss_fn with them (its executor is not keyed; a pipeline runs staged=, whose functions take no "
                 f"key): train the model with dropout under a plan without this mode, or turn its dropout off here"
             )
-        stored = self.executor.to_stored(self.model_params)
+        stored = to_stored_dtype(self.executor.to_stored(self.model_params), plan.precision)
         trained = self.executor.to_trained(stored)
         self.layout: StateLayout = resolve_state(
             plan, stored, optimizer, mesh, trained=None if trained is stored else trained
@@ -143,6 +144,7 @@ class TrainStep:
         self.shardings = TrainState(replicated, _named(mesh, self.layout.params.specs), opt_shardings)
         self._opt_on_device = on_device(_named(self.traced_mesh, self.layout.opt_state.specs))
         self.grad_shardings = _named(self.traced_mesh, self.layout.grads.specs)
+        self.param_shardings = _named(self.traced_mesh, self.layout.params.specs)
         # Per batch signature: the program, the batch's shardings, and whether it rematerialises.
         self._compiled: dict[tuple, tuple[jax.stages.Compiled, Any, bool]] = {}
         check_unused_axes(plan, mesh, self.layout)  # once the step is built: a plan that fails says only why
@@ -155,7 +157,7 @@ class TrainStep:
         def create(rng: jax.Array) -> TrainState:
             with initialising(self.plan, self.traced_mesh, self.model_params):
                 created = init_fn(rng)
-            stored = ex.to_stored(created)
+            stored = to_stored_dtype(ex.to_stored(created), self.plan.precision)
             params = pad(unbox(stored), layout.params)
             opt_state = self.optimizer.init(pad(unbox(ex.to_trained(stored)), layout.trained))
             return TrainState(jnp.zeros((), jnp.int32), params, opt_state)
@@ -211,8 +213,9 @@ class TrainStep:
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
         ex, layout = self.executor, self.layout
         # Block-aligned layouts store padded arrays: the executor sees them sliced, so their gradients come back
-        # padded with zeros and the padding never changes.
-        stored = unpad(state.params, layout.params)
+        # padded with zeros and the padding never changes. A precision policy narrows each stored shard first
+        # (before any all-gather); the executor never knows.
+        stored = unpad(cast_params(state.params, self.plan.precision, self.param_shardings), layout.params)
         with activate(self.plan, self.traced_mesh):
             if self.draws:
                 key = None if self.base_key is None else self.base_key.at(state.step)
@@ -221,8 +224,10 @@ class TrainStep:
                 loss, grads = ex.value_and_grad(stored, batch)
         # Gradients take their planned layout (the parameters', or ZeRO-2's split one) before the update, so the
         # compiler reduces them straight into it.
-        grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
         trained = ex.to_trained(state.params)
+        if self.plan.precision is not None:  # the optimizer updates the stored (master) dtype
+            grads = jax.tree.map(lambda g, t: g.astype(_dtype(t)), grads, unpad(trained, layout.trained))
+        grads = jax.lax.with_sharding_constraint(pad(grads, layout.trained), self.grad_shardings)
         kept = jax.device_put(state.opt_state, self._opt_on_device) if self.offloads_optimizer else state.opt_state
         updates, opt_state = self.optimizer.update(grads, kept, trained)
         params = ex.from_trained(optax.apply_updates(trained, updates))

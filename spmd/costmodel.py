@@ -58,6 +58,7 @@ from spmd._rules import PlanError, assign_by_rules
 
 if TYPE_CHECKING:
     from spmd._plan import Plan
+    from spmd._precision import Precision
 
 __all__ = [
     "HARDWARE",
@@ -200,18 +201,53 @@ class _Totals:
         return sorted(out, key=lambda t: -t.traffic_bytes)
 
 
-def model_state_bytes(layout: StateLayout) -> dict[str, int]:
+def model_state_bytes(layout: StateLayout, precision: Precision | None = None) -> dict[str, int]:
     """Per-device bytes of parameters, gradients and optimizer state, from a :class:`spmd.StateLayout`.
 
     >>> import jax, optax, spmd
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
     >>> model_state_bytes(spmd.resolve_state(spmd.Plan(), params, optax.adam(1e-3), {"data": 8}))  # 2 moments + count
     {'params': 262144, 'grads': 262144, 'optimizer': 524292, 'total': 1048580}
+
+    Under a mixed-precision ``precision`` (ZeRO's accounting, Rajbhandari et al. section 3.1): ``params`` are the
+    stored master weights (``precision.params``), ``optimizer`` the optimizer's state: with Adam these two are the
+    paper's 12Ψ (fp32 master, momentum, variance). ``compute_params`` is the step's cast copy in
+    ``precision.compute`` on the parameters' layout, the paper's 2Ψ of fp16 parameters (here a temporary of each
+    step, not stored); ``grads`` are the gradients as the model's backward pass makes them, in the compute dtype,
+    on the gradients' layout: the paper's 2Ψ of fp16 gradients. Data parallelism then holds 16Ψ and ZeRO-3 16Ψ/N
+    as in the paper; ZeRO-1 and ZeRO-2 keep the master with the parameters the model reads (replicated), so hold
+    8Ψ + 8Ψ/N and 6Ψ + 10Ψ/N where the paper, which splits the master with the optimizer state, has 4Ψ + 12Ψ/N
+    and 2Ψ + 14Ψ/N.
+
+    >>> model_state_bytes(spmd.resolve_state(spmd.Plan(), params, optax.adam(1e-3), {"data": 8}), spmd.Precision())
+    {'params': 262144, 'grads': 131072, 'optimizer': 524292, 'compute_params': 131072, 'total': 1048580}
     """
     params = sum(r.bytes_per_device for r in layout.params.leaves)
     grads = sum(r.bytes_per_device for r in layout.grads.leaves)
     optimizer = sum(r.bytes_per_device for r in layout.opt_state.leaves)
-    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+    if precision is None:
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+    grads = sum(_in_compute(r, precision) for r in layout.grads.leaves)
+    # Leaves stored in the compute dtype already are used as they are: no copy.
+    copy = sum(_in_compute(r, precision) for r in layout.params.leaves if jnp.dtype(r.dtype) != precision.compute)
+    total = params + grads + optimizer + copy
+    return {"params": params, "grads": grads, "optimizer": optimizer, "compute_params": copy, "total": total}
+
+
+def _in_compute(row: LeafLayout, precision: Precision) -> int:
+    """Bytes per device of a float array cast to the compute dtype (an integer one stays as it is)."""
+    dtype = jnp.dtype(row.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return row.bytes_per_device
+    return row.bytes_per_device * precision.itemsize("compute") // dtype.itemsize
+
+
+def _width(row: LeafLayout, precision: Precision | None, field: str) -> float:
+    """The share of a stored float array's bytes that a collective moving it in ``precision``'s ``field`` moves."""
+    dtype = jnp.dtype(row.dtype)
+    if precision is None or not jnp.issubdtype(dtype, jnp.floating):
+        return 1.0
+    return precision.itemsize(field) / dtype.itemsize
 
 
 # Dimensions computed where they live though a batch axis splits them: experts (their tokens travel to them),
@@ -297,8 +333,12 @@ def data_parallel_traffic(
     totals = _Totals(sizes)
     table, _ = token_lookup(layout.params.leaves, batch)
 
+    # A precision policy gathers its cast copies; the gradients are reduced as the backward pass makes them, in
+    # the compute dtype; ZeRO-1/2 all-gather the updated stored shards.
+    precision = plan.precision
     for p, g, m in zip(layout.params.leaves, layout.grads.leaves, layout.moments.leaves, strict=True):
-        local = p.bytes_per_device
+        stored = p.bytes_per_device
+        local, reduced = stored * _width(p, precision, "gather"), stored * _width(p, precision, "compute")
         p_axes, g_axes = _axes(p), _axes(g)
         fsdp = gathered_axes(p, batch) if table is None or p.path != table.row.path else set()
         n_fsdp = math.prod(sizes[a] for a in fsdp)
@@ -316,7 +356,7 @@ def data_parallel_traffic(
             times = (stage_uses[0] if staged else times) * plan.accumulate  # every accumulated microbatch gathers
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
-        grad_buffer = local * n_fsdp
+        grad_buffer = reduced * n_fsdp
         if fsdp or zero2:
             reductions = stage_uses[1] if staged and fsdp else 1
             # Accumulation keeps the gradient in the parameters' FSDP layout: each microbatch reduce-scatters
@@ -329,9 +369,9 @@ def data_parallel_traffic(
         n_zero2 = math.prod(sizes[a] for a in zero2)
         totals.add("all-reduce", rest, grad_buffer / (n_fsdp * n_zero2), combined=True)
         if zero2:
-            totals.add("all-gather", zero2, local, combined=True)
+            totals.add("all-gather", zero2, stored, combined=True)
         if zero1:
-            totals.add("all-gather", zero1, local, combined=True)
+            totals.add("all-gather", zero1, stored, combined=True)
     return totals.result()
 
 
@@ -787,7 +827,11 @@ class Estimate:
             "argument_bytes": state["params"] + state["optimizer"] + 4 + batch_bytes,
             "activation_bytes": self.activation_bytes,
             "padding_bytes": self.padding_bytes,
-            "temp_bytes": state["grads"] + state["params"] + max(self.activation_bytes, self.host_bytes) + extra,
+            "temp_bytes": state["grads"]
+            + state["params"]
+            + state.get("compute_params", 0)
+            + max(self.activation_bytes, self.host_bytes)
+            + extra,
         }
         out |= {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
         if self.host_bytes:
@@ -851,6 +895,8 @@ def estimate_layout(
     >>> [t.kind for t in e.traffic], e.per_device_bytes["params"]
     (['all-reduce'], 262144)
     """
+    if plan.precision is not None:  # activations are the compute dtype's
+        workload = dataclasses.replace(workload, act_bytes=plan.precision.itemsize("compute"))
     moved = contribution.traffic
     if moved is None:
         moved = data_parallel_traffic(layout, plan, mesh_shape)
@@ -860,7 +906,7 @@ def estimate_layout(
         micro = dataclasses.replace(workload, batch=max(workload.batch // plan.accumulate, 1))
         kept, host_acts = _activations(layout.params.leaves, plan, mesh_shape, micro)
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
-    state, host = model_state_bytes(layout), 0
+    state, host = model_state_bytes(layout, plan.precision), 0
     if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
         host = state["optimizer"]
         state = state | {"optimizer": 0, "total": state["total"] - host, "host_optimizer": host}

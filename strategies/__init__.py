@@ -27,6 +27,7 @@ from strategies.fsdp import fsdp
 from strategies.offload import offload
 from strategies.osdp import osdp
 from strategies.pipeline import SCHEDULES, pipeline, pipeline_schedule
+from strategies.precision import mixed_precision
 from strategies.subnet import subnetwork_dp
 from strategies.tensor import choose_tensor_2d, sequence_parallel, tensor_parallel, tensor_parallel_2d
 from strategies.zero import hsdp, zero1, zero2, zero3
@@ -43,6 +44,7 @@ __all__ = [
     "fsdp",
     "hetero",
     "hsdp",
+    "mixed_precision",
     "offload",
     "osdp",
     "PipelineOptions",

@@ -146,3 +146,15 @@ def test_remat_script():
     for strategy in ("dp", "zero3", "dp+tp"):
         assert got[strategy, "dots"][1] == 1.0 and got[strategy, "full"][1] > 1.1, out  # no matmul recomputed
     assert got["zero3", "dots"][2] < 0.5 * got["dp", "none"][2], out
+
+
+@pytest.mark.slow
+def test_precision_script():
+    out = run_script("precision.py", "--model", "gpt-tiny", "--batch-size", "16", timeout=600)
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == {"dp", "zero1", "zero2", "zero3"}, out
+    for stage, cells in rows.items():
+        fp32, ours, zero = (float(c) for c in cells[1:4])
+        assert fp32 == 1.0 and zero == 1.0, (stage, cells)  # the fp32 table, and ZeRO's arrangement exactly
+        assert ours == 1.0 if stage in ("dp", "zero3") else ours > 1.0, (stage, cells)
+    assert 0.45 <= float(rows["zero3"][4]) <= 0.55, out  # the gathers move bf16

@@ -149,7 +149,20 @@ def test_without_mesh_axes_are_empty(mesh: Mesh) -> None:
         "axes": [],
         "group_size": 2,
         "spans": [],
+        "dtype": "f32",
+        "wire_bytes": 32,
     }
+
+
+def test_a_bf16_gather_counts_at_its_program_width(mesh: Mesh) -> None:
+    # XLA:CPU widens a bf16 all-gather to f32 (rounding its operand through bf16 first); GPU and TPU send bf16.
+    x = jnp.ones((16, 32), jnp.bfloat16)
+    gather = lambda a: lax.all_gather(a, "data", tiled=True)  # noqa: E731
+    (op,) = collectives(_hlo(_shard_map(mesh, gather, P("data"), P()), x), mesh)
+    assert (op.kind, op.dtype, op.bytes, op.wire_bytes) == ("all-gather", "bf16", 16 * 32 * 2, 16 * 32 * 4)
+    assert op.traffic_bytes == op.bytes // 2 and op.widened
+    (f32,) = collectives(_hlo(_shard_map(mesh, gather, P("data"), P()), x.astype(jnp.float32)), mesh)
+    assert (f32.dtype, f32.bytes, f32.wire_bytes) == ("f32", 16 * 32 * 4, 16 * 32 * 4) and not f32.widened
 
 
 # ------------------------------------------------------------- all-reduce + dynamic-slice = reduce-scatter

@@ -1,5 +1,7 @@
 """The ZeRO family against the paper's table and against the compiled program (gpt-small, data=8)."""
 
+import math
+
 import jax
 import optax
 import pytest
@@ -79,3 +81,57 @@ def test_compare_flags_a_gap_between_compiled_and_analytic():
     assert costmodel.compare(100, 100) is None
     assert "cheaper" in costmodel.compare(80, 100)
     assert "replicated" in costmodel.compare(130, 100)
+
+
+def test_mixed_precision_model_state_is_zeros_closed_form():
+    """bf16 compute, fp32 master weights and Adam, gpt-small on data=8, every array split (min_bytes=0): the cost
+    model's model state per device against Ψ and N exactly (Adam's int32 step count, 4 bytes, aside).
+    Data parallelism and ZeRO-3 hold the paper's 16Ψ and 16Ψ/N; ZeRO-1/2 keep the fp32 master with the
+    parameters the model reads, where the paper splits it with the optimizer state (see
+    costmodel.model_state_bytes)."""
+    model = models.get("gpt-small")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(spmd.unbox(params)))
+    n, count = 8, 4
+    closed = {
+        "dp": 16 * psi,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 6 * psi + 10 * psi / n,
+        "zero3": 16 * psi / n,
+    }
+    parts = {
+        "dp": strategies.data_parallel(),
+        "zero1": strategies.zero1(min_bytes=0),
+        "zero2": strategies.zero2(min_bytes=0),
+        "zero3": strategies.zero3(min_bytes=0),
+    }
+    for name, plan in parts.items():
+        plan = plan + strategies.mixed_precision()
+        layout = spmd.resolve_state(plan, params, optax.adam(1e-3), {"data": n})
+        state = costmodel.model_state_bytes(layout, plan.precision)
+        assert state["total"] - count == closed[name], name
+    assert state["params"] == 4 * psi / n and state["compute_params"] == 2 * psi / n  # zero3: master and copy
+
+
+def test_bf16_stored_with_a_master_in_the_optimizer_is_zeros_table():
+    """ZeRO's own mixed precision: the stored parameters are bf16 (what the model reads) and the fp32 master lives
+    in the optimizer state (spmd.master_weights), so ZeRO-1/2 split it with the moments. The cost model then
+    gives the paper's table exactly: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (Adam's 4-byte step count aside)."""
+    model = models.get("gpt-small", dtype="bfloat16")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(spmd.unbox(params)))
+    n, count = 8, 4
+    paper = {"dp": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n, "zero3": 16 * psi / n}
+    parts = {
+        "dp": strategies.data_parallel(),
+        "zero1": strategies.zero1(min_bytes=0),
+        "zero2": strategies.zero2(min_bytes=0),
+        "zero3": strategies.zero3(min_bytes=0),
+    }
+    optimizer = spmd.master_weights(optax.adam(1e-3))
+    for name, plan in parts.items():
+        plan = plan + strategies.mixed_precision(params="bfloat16")
+        step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, spmd.make_mesh({"data": n}), params=params)
+        state = costmodel.model_state_bytes(step.layout, plan.precision)
+        assert state["total"] - count == paper[name], name
+        assert state["compute_params"] == 0  # the stored bf16 parameters are what the model reads

@@ -22,10 +22,11 @@ from spmd.devices import parse_bytes
 from spmd.execution import GRANULARITIES, MASKINGS
 
 __all__ = [
-    "DEMO", "MAX_DEVICES", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parse_offload", "parser",
-    "remat_arg",
+    "DEMO", "MAX_DEVICES", "PRECISIONS", "UsageError", "check", "explicit", "parse", "parse_bandwidth", "parse_offload",
+    "parser", "remat_arg",
 ]  # fmt: skip
 
+PRECISIONS = ("fp32", "bf16")  # --precision; bf16 is strategies.mixed_precision's default policy
 DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+fsdp+tp", "steps": 20}
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
@@ -76,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
             sub.choices[name].add_argument(
                 "--accumulate", type=int, default=1, help="microbatches per step, gradients reduced once (default 1)"
             )
+    for name in ("plan", "run", "compare"):
+        sub.choices[name].add_argument(
+            "--precision",
+            choices=PRECISIONS,
+            default="fp32",
+            help="fp32, or bf16: compute and gathers in bfloat16, float32 master weights, optimizer and reductions",
+        )
     _run_flags(sub.choices["run"])
     _compare_flags(sub.choices["compare"], sub.choices["suggest"])
     launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")

@@ -10,7 +10,7 @@ import jax
 from spmd import costmodel
 from spmd.cli.common import console, dumps
 from spmd.cli.setup import setup
-from spmd.cli.train import max_abs_diff, reference, train
+from spmd.cli.train import bf16_check, max_abs_diff, reference, train
 from spmd.execution import PipelineSpec, Shares
 
 __all__ = ["command"]
@@ -27,7 +27,7 @@ def command(args: argparse.Namespace) -> int:
         "axis_types": s.mesh.axis_types[0].name.lower(),
         "plan": run.step.plan_carried_out(s.abstract_batch()).describe(),  # no remat claimed where none is applied
         "losses": run.losses,
-        "per_device_bytes": costmodel.model_state_bytes(run.step.layout),
+        "per_device_bytes": costmodel.model_state_bytes(run.step.layout, s.plan.precision),
     }
     spec = s.plan.execution
     if isinstance(spec, Shares):
@@ -42,6 +42,8 @@ def command(args: argparse.Namespace) -> int:
         ref = reference(s, args, quiet=args.json)
         out["reference_losses"] = ref.losses
         out["max_abs_diff"] = max_abs_diff(run, ref)
+        if s.plan.precision is not None:
+            out["bf16_check"] = bf16_check(run, ref, args.lr)
     if args.json:
         print(dumps(out))
         return 0
@@ -52,4 +54,10 @@ def command(args: argparse.Namespace) -> int:
     if "max_abs_diff" in out:
         c.print(f"one device: {' '.join(f'{x:.4f}' for x in out['reference_losses'])}")
         c.print(f"max |difference| over losses and parameters: {out['max_abs_diff']:.2e}")
+    if "bf16_check" in out:
+        b = out["bf16_check"]
+        c.print(
+            f"bf16 check {'passed' if b['passed'] else 'FAILED'}: losses within {b['loss_rel_diff']:.1e} relative "
+            f"(tolerance 2^-8), parameters within {b['param_abs_diff']:.1e} (tolerance 2·lr·steps)"
+        )
     return 0

@@ -110,8 +110,14 @@ def _load(name: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> tuple
     """The model, and its parameters' shapes (planned once, for every use). A model that constrains a layout by a
     bare PartitionSpec needs a context mesh to be traced: it is loaded again under this run's (over Auto axes)."""
 
+    overrides = {"layers": args.layers} if getattr(args, "layers", None) else {}
+    if getattr(args, "precision", "fp32") == "bf16" and name in models.BUILTIN:
+        # The built-in models cast their kernels to their own dtype: under a float32 config flax would widen
+        # the bf16 parameters again, undoing the saving. A user model keeps the dtype its factory gives it.
+        overrides["dtype"] = jnp.bfloat16
+
     def load() -> tuple[models.Model, Any]:
-        model = models.get(name, **({"layers": args.layers} if getattr(args, "layers", None) else {}))
+        model = models.get(name, **overrides)
         return model, jax.eval_shape(model.init, jax.random.key(args.seed))
 
     try:
@@ -159,6 +165,8 @@ def _plan(
         subnet_options=subnet,
         block=getattr(args, "block", None),
     )
+    if getattr(args, "precision", "fp32") == "bf16":
+        plan = plan + strategies.mixed_precision(compute="bfloat16", params="float32", gather="bfloat16")
     return plan + strategies.offload(*args.offload) if getattr(args, "offload", None) else plan
 
 

@@ -20,7 +20,7 @@ from spmd.cli.common import console
 from spmd.cli.parser import UsageError
 from spmd.cli.setup import Setup
 
-__all__ = ["Trained", "max_abs_diff", "reference", "train"]
+__all__ = ["BF16_ROUNDOFF", "Trained", "bf16_check", "max_abs_diff", "reference", "train"]
 
 
 class Trained(NamedTuple):
@@ -262,7 +262,8 @@ def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     # The run's axis names, each of one device: a model's own PartitionSpec constraints name them.
     explicit = jax.sharding.AxisType.Explicit in s.mesh.axis_types
     one = spmd.make_mesh({a: 1 for a in s.mesh.axis_names}, devices=jax.local_devices()[:1], explicit=explicit)
-    plain = dataclasses.replace(s, mesh=one, plan=spmd.Plan(), profile=None)  # the same non-finite policy too
+    # The same non-finite policy too, and the same precision policy: bf16 is compared with bf16.
+    plain = dataclasses.replace(s, mesh=one, plan=spmd.Plan(precision=s.plan.precision), profile=None)
     # The reference saves nothing: the run's checkpoints are the run's.
     alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False, "overwrite": False})
     return train(plain, alone, label="one device", quiet=quiet)
@@ -289,3 +290,35 @@ def _loss_diff(a: float, b: float) -> float:
     if math.isfinite(a) and math.isfinite(b):
         return abs(a - b)
     return 0.0 if not math.isfinite(a) and not math.isfinite(b) else math.inf
+
+
+# bfloat16's unit roundoff: half its machine epsilon (2^-7, 8 significant bits), the largest relative error of one
+# rounding to bf16.
+BF16_ROUNDOFF = 2.0**-8
+
+
+def bf16_check(run: Trained, ref: Trained, lr: float) -> dict[str, Any]:
+    """``--check`` under ``--precision bf16``: a sharded bf16 run against the one-device bf16 run. Both compute
+    in bf16 and round their partial sums in different orders, so they cannot agree to fp32's 1e-4. The loss is
+    an fp32 mean over every token of cross-entropies of bf16 logits: independent roundings, each at most one
+    unit roundoff u = 2^-8 relative, average out, so the losses must agree within u relative at every step (a
+    wrong reduction or layout moves them by far more; gpt-tiny dp+fsdp measures about 0.02u). Adam moves each
+    parameter by about ``lr`` a step whatever its gradient's size (the update is m/sqrt(v)): a near-zero
+    gradient whose sign rounding flips puts the runs up to 2·lr apart per step, so parameters are held to
+    2·lr·steps, and the losses are the sharp test.
+
+    >>> a = Trained([6.0, 5.5], {"w": np.zeros(2)}, None)
+    >>> bf16_check(a, Trained([6.001, 5.5], {"w": np.full(2, 1e-3)}, None), lr=1e-3)["passed"]
+    True
+    """
+    losses = [abs(a - b) / abs(b) if math.isfinite(a) and math.isfinite(b) else _loss_diff(a, b)
+              for a, b in zip(run.losses, ref.losses, strict=True)]  # fmt: skip
+    pairs = zip(jax.tree.leaves(run.params), jax.tree.leaves(ref.params), strict=True)
+    params = max([float(np.max(np.abs(a - b))) for a, b in pairs], default=0.0)
+    out = {
+        "loss_rel_diff": max(losses, default=0.0),
+        "loss_rel_tolerance": BF16_ROUNDOFF,
+        "param_abs_diff": params,
+        "param_tolerance": 2 * lr * len(run.losses),
+    }
+    return out | {"passed": out["loss_rel_diff"] <= BF16_ROUNDOFF and params <= out["param_tolerance"]}
