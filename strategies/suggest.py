@@ -17,10 +17,11 @@ CPU devices will do) and reads their real memory and collectives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from spmd import Plan, PlanError, Remat, costmodel, format_bytes
+from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
 from strategies import Context, from_names
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
@@ -50,6 +51,7 @@ class Suggestion:
     compiled_memory: dict[str, int] | None = None
     compiled_comm_bytes: int | None = None
     confirmed: bool | None = None  # whether the compiled program's peak fits the budget (None: not compiled)
+    flags: tuple[str, ...] = ()  # the training policies chosen beyond the strategy's own, as spmd run flags
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +59,7 @@ class Suggestion:
             "strategy": self.strategy,
             "plan": self.plan.describe(),
             "notes": list(self.plan.notes),
+            "policies": " ".join(self.flags),
             "fits": self.fits,
             "modelled": self.estimate.to_dict(),
             "compiled_memory": self.compiled_memory,
@@ -106,10 +109,18 @@ def rank(
     optimizer: Any,
     max_tensor: int = 8,
     remat: Remat | None = None,
+    remats: Sequence[Remat | str] = (),
+    accumulations: Sequence[int] = (1,),
+    precisions: Sequence[Precision | None] = (None,),
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
     ``remat``, if given, replaces every plan's remat policy.
+
+    The training policies are searched with the strategies: each composition under its own remat policy and
+    each of ``remats``, each of ``accumulations`` (microbatches per step) the batch divides into, and each of
+    ``precisions``; among equally fast plans, fewer microbatches and less recompute first. Each layout is
+    resolved once: a policy changes what a device keeps, moves and computes, not where arrays live.
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -130,15 +141,33 @@ def rank(
         try:
             plan = from_names(strategy, mesh, context=ctx)
             plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
-            est = costmodel.estimate(plan, params, mesh, workload, optimizer=optimizer, hardware=hardware)
+            plan.check_mesh(mesh)
+            layout = resolve_state(plan, params, optimizer, mesh)
         except (PlanError, ValueError) as e:
             skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
             continue
         if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
             continue  # osdp that shards nothing is the data-parallel plan again
-        out.append(Suggestion(mesh, strategy, plan, est, est.memory_bytes <= memory_per_device))
-    out.sort(key=lambda s: (not s.fits, s.estimate.time.total_s))
+        usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
+        for variant, flags in _variants(plan, remats, usable, precisions):
+            est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
+            out.append(Suggestion(mesh, strategy, variant, est, est.memory_bytes <= memory_per_device, flags=flags))
+    out.sort(key=lambda s: (not s.fits, s.estimate.time.total_s, s.plan.accumulate, s.estimate.flops))
     return out, skipped
+
+
+def _variants(
+    plan: Plan, remats: Sequence[Remat | str], accumulations: Sequence[int], precisions: Sequence[Precision | None]
+) -> Iterator[tuple[Plan, tuple[str, ...]]]:
+    """``plan`` under each combination of the policies, with the ``spmd run`` flags that ask for it."""
+    policies = [(plan.remat, ())]
+    for r in map(Remat.of, remats):
+        if all(r != seen for seen, _ in policies):
+            policies.append((r, ("--remat", r.kind + (":" + ",".join(r.names) if r.names else ""))))
+    for (policy, remat_flags), k, precision in itertools.product(policies, accumulations, precisions):
+        flags = remat_flags + (("--accumulate", str(k)) if k > 1 else ())
+        flags += ("--precision", "bf16") if precision is not None else ()
+        yield dataclasses.replace(plan, remat=policy, accumulate=k, precision=precision), flags
 
 
 def confirm(

@@ -182,13 +182,15 @@ def test_suggest_prints_a_run_command_with_the_flags_its_pick_depends_on():
         ["suggest", "--model", "gpt-tiny", "--layers", "2", "--memory-per-device", "3MiB", "--devices", "16"]
     )
     check(args)
-    best = types.SimpleNamespace(mesh={"data": 16}, strategy="osdp")
+    flags = ("--remat", "dots", "--accumulate", "2", "--precision", "bf16")  # the policies the pick chose
+    best = types.SimpleNamespace(mesh={"data": 16}, strategy="osdp", flags=flags)
     command = _run_command(args, best)
     assert command == (
-        "spmd run --model gpt-tiny --mesh data=16 --strategy osdp --devices 16 --layers 2 --batch-size 32 "
-        "--memory-per-device 3145728"
+        "spmd run --model gpt-tiny --mesh data=16 --strategy osdp --remat dots --accumulate 2 --precision bf16 "
+        "--devices 16 --layers 2 --batch-size 32 --memory-per-device 3145728"
     )
     # and run accepts every flag of it
     run_args = parser().parse_args(command.split()[1:])
     check(run_args)
     assert run_args.devices == 16 and run_args.layers == 2 and run_args.memory_per_device == 3 << 20
+    assert run_args.remat.kind == "dots" and run_args.accumulate == 2 and run_args.precision == "bf16"

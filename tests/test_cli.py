@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import optax
 import pytest
 
-from spmd import cli
+import spmd
+from spmd import cli, costmodel, models
 from tests.conftest import run_cli
 
 MESH = ["--mesh", "data=2,fsdp=2,tensor=2"]
@@ -231,6 +234,30 @@ def test_suggest_picks_a_plan_that_fits_where_dp_does_not(capsys):
     times = [r["modelled"]["step_time"]["total_s"] for r in ranked if r["fits"]]
     assert times == sorted(times)
     assert {r["strategy"] for r in ranked} >= {"dp", "zero1", "zero2", "zero3", "dp+fsdp", "dp+tp", "dp+sp"}
+
+
+def test_suggest_searches_remat_accumulation_and_precision_with_the_strategies():
+    # Data parallelism of gpt-tiny (2 layers) on 8 devices does not fit 4.7 MiB as it is; it does with its
+    # activations cut: by remat or by microbatches. The search finds those, and prices each policy.
+    from strategies import suggest
+
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    bf16 = spmd.Precision(compute="bfloat16", params="float32", gather="bfloat16")
+    ranked, _ = suggest.rank(
+        params, costmodel.Workload(64, 32), costmodel.HARDWARE["h100"], devices=8, memory_per_device=int(4.7 * 2**20),
+        optimizer=optax.adam(1e-3), max_tensor=1, remats=("none", "full"), accumulations=(1, 2, 4),
+        precisions=(None, bf16),
+    )  # fmt: skip
+    dp = {s.flags: s for s in ranked if s.strategy == "dp"}
+    assert len(dp) == 2 * 3 * 2  # its own policy (none) and full; three accumulations; two precisions
+    plain, full, micro = dp[()], dp["--remat", "full"], dp["--accumulate", "4"]
+    assert not plain.fits and full.fits and micro.fits
+    assert full.estimate.flops > plain.estimate.flops == micro.estimate.flops  # full remat recomputes the layers
+    assert micro.estimate.activation_bytes == plain.estimate.activation_bytes / 4  # one microbatch's at a time
+    half = dp["--precision", "bf16"].estimate
+    assert half.comm_bytes == plain.estimate.comm_bytes / 2  # its gradients reduced in bf16
+    assert dp["--precision", "bf16"].plan.precision == bf16 and micro.plan.accumulate == 4
 
 
 def test_remat_is_claimed_only_where_the_model_applies_it(capsys):

@@ -84,6 +84,12 @@ def parser() -> argparse.ArgumentParser:
             default="fp32",
             help="fp32, or bf16: compute and gathers in bfloat16, float32 master weights, optimizer and reductions",
         )
+    sub.choices["suggest"].add_argument(
+        "--precision",
+        choices=(*PRECISIONS, "any"),
+        default="fp32",
+        help="the precisions to search: fp32, bf16, or any (both: bf16 changes the numerics, so it is asked for)",
+    )
     _run_flags(sub.choices["run"])
     _compare_flags(sub.choices["compare"], sub.choices["suggest"])
     launch = sub.add_parser("launch", help="run a command as several JAX processes on this host (jax.distributed)")

@@ -18,6 +18,9 @@ from strategies import suggest as search
 
 __all__ = ["command"]
 
+_BF16 = spmd.Precision(compute="bfloat16", params="float32", gather="bfloat16")  # what run's --precision bf16 asks
+_PRECISIONS = {"fp32": (None,), "bf16": (_BF16,), "any": (None, _BF16)}
+
 
 def command(args: argparse.Namespace) -> int:
     devices = len(jax.devices())
@@ -34,13 +37,22 @@ def command(args: argparse.Namespace) -> int:
         optimizer=optimizer,
         max_tensor=args.max_tensor,
         remat=args.remat,
+        # The policies are searched with the strategies: every remat policy (unless --remat fixes one), up to 8
+        # microbatches per step, and bf16 only where asked for, since it changes the numbers a step computes.
+        remats=() if args.remat is not None else ("none", "full", "dots"),
+        accumulations=(1, 2, 4, 8),
+        precisions=_PRECISIONS[args.precision],
     )
     if not ranked:
         raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
 
     def compile_report(mesh_axes: dict, plan: spmd.Plan) -> spmd.Report:
-        built = models.rematerialised(model, plan.remat) if plan.remat and args.model in models.BUILTIN else model
+        built = model
+        if args.model in models.BUILTIN:  # as run builds it: the plan's remat policy, bf16 under bf16
+            bf16 = {"dtype": jnp.bfloat16} if plan.precision is not None else {}
+            built = models.get(args.model, **({"layers": args.layers} if args.layers else {}), **bf16)
+            built = models.rematerialised(built, plan.remat) if plan.remat else built
         mesh = spmd.make_mesh(mesh_axes, explicit=args.axis_types == "explicit")
         step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params)
         return spmd.report(step, batch, hardware=hardware)
@@ -90,7 +102,7 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
     job (its own batch size and layers; 8 emulated devices where suggest had --devices 64; osdp priced for
     another device) or refuse it (osdp needs --memory-per-device)."""
     shown = ",".join(f"{k}={v}" for k, v in best.mesh.items())
-    parts = [f"spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}"]
+    parts = [f"spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}", *best.flags]
     if args.devices is not None:
         parts.append(f"--devices {args.devices}")
     if args.layers:
@@ -108,11 +120,23 @@ def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: 
 
     title = f"{model} on {devices} devices ({hardware}), {mb(budget)} each: plans ranked by modelled step time"
     table = Table(title=title, title_justify="left")
-    columns = ("#", "mesh", "strategy", "memory (model)", "fits", "compiled peak", "traffic", "step (model)")
+    columns = (
+        "#",
+        "mesh",
+        "strategy",
+        "policies",
+        "memory (model)",
+        "fits",
+        "compiled peak",
+        "traffic",
+        "step (model)",
+    )
     for col in columns:
         # The mesh and strategy are what a reader copies into `spmd run`: never cut them short.
         table.add_column(
-            col, justify="left" if col in ("mesh", "strategy", "fits") else "right", no_wrap=col in ("mesh", "strategy")
+            col,
+            justify="left" if col in ("mesh", "strategy", "policies", "fits") else "right",
+            no_wrap=col in ("mesh", "strategy", "policies"),
         )
     for i, s in enumerate(rows, 1):
         e = s.estimate
@@ -124,6 +148,7 @@ def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: 
             str(i),
             ",".join(f"{k}={v}" for k, v in s.mesh.items()),
             s.strategy,
+            " ".join(s.flags),
             mb(e.memory_bytes),
             fits,
             peak,
