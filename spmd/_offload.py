@@ -52,6 +52,12 @@ def check_offload(names: Iterable[str], api: str = "Plan(offload=)") -> tuple[st
         names = (names,)
     out: list[str] = []
     for name in names:
+        if name == "activations":  # kept for the backward pass, so the layer's remat policy says where
+            raise PlanError(
+                f"{api}: activations are offloaded by the layers' remat policy, not the plan's offload: "
+                f'dataclasses.replace(plan, remat=spmd.Remat("offload", names)) (the built-in models\' '
+                f"matmul outputs: spmd._remat.MATMUL_OUTPUTS; on the command line, --offload activations)"
+            )
         if name not in OFFLOADABLE:
             raise PlanError(
                 f'{api}: cannot offload {name!r}; offloadable: {", ".join(OFFLOADABLE)} (e.g. offload=("optimizer",))'

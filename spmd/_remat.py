@@ -24,7 +24,7 @@ from flax import linen as nn
 from spmd._context import active
 from spmd._rules import PlanError
 
-__all__ = ["NAMES", "Remat", "rematerialise"]
+__all__ = ["MATMUL_OUTPUTS", "NAMES", "Remat", "rematerialise"]
 
 KINDS = ("none", "full", "dots", "names", "offload")
 FORMS = "none, full, dots, names:a,b or offload:a,b"
@@ -33,6 +33,10 @@ FORMS = "none, full, dots, names:a,b or offload:a,b"
 # projections' outputs, attention's output before its out projection, the out projection's output, the MLP's
 # hidden layer (``wi``'s output, before the GELU) and its output (``wo``'s).
 NAMES = ("layer_input", "query_proj", "key_proj", "value_proj", "attn_out", "out_proj", "mlp_hidden", "mlp_out")
+# Of those, the matmul outputs: what ``dots`` keeps on the device, and what the offload policy the command line's
+# ``--offload activations`` asks for keeps on the host instead (PipeOffload's activations, MaxText's
+# ``minimal_offloaded``): the same matmuls run, the kept activations leave the device.
+MATMUL_OUTPUTS = NAMES[1:]
 
 
 @dataclasses.dataclass(frozen=True)

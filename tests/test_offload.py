@@ -54,7 +54,7 @@ def test_plan_says_what_it_offloads():
     assert (plan + strategies.offload("optimizer")).offload == ("optimizer",)  # a union
     assert strategies.offload() == spmd.Plan(offload=("optimizer",))  # the default part
     assert strategies.zero3().offload == () and "offload" not in strategies.zero3().describe()
-    with pytest.raises(spmd.PlanError, match=r"cannot offload 'activations'; offloadable: optimizer"):
+    with pytest.raises(spmd.PlanError, match=r"activations are offloaded by the layers' remat policy"):
         strategies.offload("activations")
     params = {"w": jax.ShapeDtypeStruct((4, 4), "float32")}
     with pytest.raises(spmd.PlanError, match=r"Plan\(offload=\): cannot offload 'params'; offloadable: optimizer"):
@@ -140,7 +140,8 @@ def test_checkpoints_move_between_offloaded_and_device_state(tmp_path, trained):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["plan", "--offload", "activations"], "--offload 'activations': cannot offload 'activations'; choose from"),
+        (["plan", "--offload", "params"], "--offload 'params': cannot offload 'params'; choose from"),
+        (["plan", "--offload", "activations", "--remat", "full"], "--remat full asks for another policy: drop one"),
         (["run", "--offload", "optimizer,grads"], "cannot offload 'grads'; choose from optimizer"),
         (["suggest", "--offload", "optimizer", "--memory-per-device", "1GiB"], "--offload does not apply to suggest"),
     ],
@@ -156,3 +157,18 @@ def test_the_plan_command_shows_the_offloaded_state_on_host(capsys):
     assert code == 0 and report["plan"].endswith("optimizer state offloaded to host")
     host = report["compiled_memory"]["host_argument_bytes"]
     assert host == report["analytic_memory"]["host_argument_bytes"] == report["per_device_bytes"]["host_optimizer"]
+
+
+def test_offloading_activations_keeps_the_layers_matmul_outputs_on_the_host(capsys):
+    # --offload activations is the remat policy that keeps what dots keeps, on the host: the same matmuls run.
+    # This backend lowers the moves to nothing (see the README), so the plan and the estimate say it.
+    args = ("plan", "--strategy", "zero3", "--layers", "1", "--json")
+    code, out, err = run_cli(capsys, *args, "--offload", "optimizer,activations")
+    assert code == 0, err
+    report = json.loads(out)
+    assert "offloaded to host: query_proj, key_proj, value_proj, attn_out, out_proj, mlp_hidden, mlp_out" in report[
+        "plan"
+    ] and report["plan"].endswith("optimizer state offloaded to host")
+    code, out, _ = run_cli(capsys, *args)
+    dots = json.loads(out)
+    assert report["compiled_flops_per_device"] == dots["compiled_flops_per_device"]  # nothing more recomputed

@@ -140,7 +140,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
     p.add_argument("--layers", type=int, help="override the model's number of layers")
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
-    p.add_argument("--offload", help=f"keep in host memory between steps: {', '.join(OFFLOADABLE)} (ZeRO-Offload)")
+    p.add_argument(
+        "--offload",
+        help=f"keep in host memory: {', '.join(OFFLOADABLE)} (ZeRO-Offload) and/or activations (the layers' matmul "
+        "outputs, kept for the backward pass: the remat policy offload:...)",
+    )
     p.add_argument("--remat", help=f"remat policy of the layers, overriding the strategy's: {FORMS}")
     p.add_argument("--device-kind", help=f"cost model device: {', '.join(HARDWARE)} (default: the devices present)")
     p.add_argument("--axis-bandwidth", help="per-axis link bandwidth in GB/s per device, e.g. tensor=450,tensor2=50")
@@ -338,15 +342,15 @@ def _check_applies(args: argparse.Namespace, given: set[str]) -> None:
 def parse_offload(text: str) -> tuple[str, ...]:
     """``--offload``'s comma-separated parts of the training state kept in host memory.
 
-    >>> parse_offload("optimizer")
-    ('optimizer',)
+    >>> parse_offload("optimizer,activations")
+    ('optimizer', 'activations')
     """
     parts = tuple(part.strip() for part in text.split(","))
-    unknown = [part for part in parts if part not in OFFLOADABLE]
+    unknown = [part for part in parts if part not in (*OFFLOADABLE, "activations")]
     if unknown or not text.strip():
         raise UsageError(
             f"--offload {text!r}: cannot offload {unknown[0] if unknown else 'nothing'!r}; "
-            f"choose from {', '.join(OFFLOADABLE)} (e.g. --offload optimizer)"
+            f"choose from {', '.join(OFFLOADABLE)}, activations (e.g. --offload optimizer,activations)"
         )
     return tuple(dict.fromkeys(parts))
 

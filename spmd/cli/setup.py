@@ -18,6 +18,7 @@ import strategies
 from spmd import costmodel, data, models
 from spmd._context import initialising
 from spmd._mesh import auto_twin
+from spmd._remat import MATMUL_OUTPUTS
 from spmd.cli.parser import UsageError
 from spmd.devices import Profile, parse_bytes
 from spmd.execution import PipelineSpec, Shares
@@ -100,10 +101,26 @@ def setup(
         )
     if getattr(args, "remat", None) is not None:  # --remat overrides the strategy's policy
         plan = dataclasses.replace(plan, remat=args.remat)
+    if "activations" in (getattr(args, "offload", None) or ()):
+        plan = dataclasses.replace(plan, remat=_offloaded_activations(getattr(args, "remat", None)))
     if plan.remat and name in models.BUILTIN:  # user factories need not know the option
         model = models.rematerialised(model, plan.remat)
     on_nan = getattr(args, "on_nan", "stop")
     return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed, on_nan)
+
+
+def _offloaded_activations(remat: spmd.Remat | None) -> spmd.Remat:
+    """``--offload activations``: the layers keep their matmul outputs for the backward pass in host memory (the
+    remat policy ``offload:`` of the built-in models' :data:`spmd._remat.MATMUL_OUTPUTS`), unless ``--remat`` names
+    an offload policy of its own; any other ``--remat`` asks for something else, and is refused."""
+    if remat is None:
+        return spmd.Remat("offload", MATMUL_OUTPUTS)
+    if remat.kind != "offload":
+        raise UsageError(
+            f"--offload activations keeps the layers' matmul outputs in host memory (--remat offload:"
+            f"{','.join(MATMUL_OUTPUTS)}), and --remat {remat.kind} asks for another policy: drop one of the two"
+        )
+    return remat
 
 
 def _load(name: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> tuple[models.Model, Any]:
@@ -167,7 +184,8 @@ def _plan(
     )
     if getattr(args, "precision", "fp32") == "bf16":
         plan = plan + strategies.mixed_precision(compute="bfloat16", params="float32", gather="bfloat16")
-    return plan + strategies.offload(*args.offload) if getattr(args, "offload", None) else plan
+    state = [part for part in getattr(args, "offload", None) or () if part != "activations"]
+    return plan + strategies.offload(*state) if state else plan
 
 
 def _mesh(shape: dict[str, int], dcn: dict[str, int] | None, explicit: bool) -> jax.sharding.Mesh:
