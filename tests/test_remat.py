@@ -167,6 +167,14 @@ def test_bad_remat_values_exit_2_naming_the_forms(capsys, value):
     assert "none, full, dots, names:a,b or offload:a,b" in err and "mlp_hidden" in err, err
 
 
+@pytest.mark.parametrize("value", ["names:mlp_hiden", "offload:query_proj,qkv"])
+def test_a_name_no_built_in_activation_carries_exits_2(capsys, value):
+    # Saving a name nothing is tagged with keeps nothing: full remat under another name, so it is refused.
+    code, out, err = run_cli(capsys, "plan", "--mesh", "data=8", "--strategy", "zero3", "--remat", value)
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert "the built-in models tag no activation" in err and "they tag layer_input" in err, err
+
+
 def test_remat_flag_overrides_the_strategys_policy(capsys):
     argv = ["plan", "--mesh", "data=8", "--strategy", "zero3", "--layers", "1", "--json", "--remat", "names:query_proj"]
     code, out, err = run_cli(capsys, *argv)

@@ -64,6 +64,7 @@ from flax import nnx
 
 from spmd import axes as A
 from spmd._pipeline import StagedModel
+from spmd._remat import NAMES as REMAT_NAMES
 from spmd._remat import Remat
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
@@ -383,11 +384,22 @@ def rematerialised(model: Model, policy: Remat | str | bool = True) -> Model:
 
     >>> rematerialised(get("gpt-tiny", layers=2), "dots").config.remat
     Remat(kind='dots', names=())
+    >>> rematerialised(get("gpt-tiny", layers=2), "names:mlp_hiden")
+    Traceback (most recent call last):
+    ...
+    ValueError: remat policy names:mlp_hiden: the built-in models tag no activation 'mlp_hiden'; they tag ...
     """
     if model.name not in BUILTIN:
         raise ValueError(f"model {model.name!r} is not built in: rematerialise its layers in its own code")
+    policy = Remat.of(policy)
+    unknown = [name for name in policy.names if name not in REMAT_NAMES]
+    if unknown:  # a name no activation carries would keep nothing, silently the same as full remat
+        raise ValueError(
+            f"remat policy {policy.kind}:{','.join(policy.names)}: the built-in models tag no activation "
+            f"{', '.join(map(repr, unknown))}; they tag {', '.join(REMAT_NAMES)}"
+        )
     fields = {f.name: getattr(model.config, f.name) for f in dataclasses.fields(LMConfig)}
-    return BUILTIN[model.name](**(fields | {"remat": Remat.of(policy)}))
+    return BUILTIN[model.name](**(fields | {"remat": policy}))
 
 
 def _mlp(config: LMConfig) -> nn.Module:
