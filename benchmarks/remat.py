@@ -3,9 +3,9 @@
     python benchmarks/remat.py [--model gpt-small] [--batch-size 32] [--layers N] [--policies none,full,dots,...]
 
 For each strategy (dp and zero3 on data=8, dp+tp on data=4,tensor=2) and each remat policy it compiles one
-training step and prints the matmul FLOPs of the whole step (every device's, read from the compiled HLO) over
-6·N·T (N parameters, T tokens per step), the same against the strategy's step under the first policy listed
-(none by default), arguments + temporaries per device against dp's under it, and what the compiled program
+training step and prints its compiled matmul FLOPs over the model's 6·N·T (the report's ``model_flops``: N the
+weights that act as matmuls, T tokens per step), the same against the strategy's step under the first policy
+listed (none by default), arguments + temporaries per device against dp's under it, and what the compiled program
 places in host memory (``memory_analysis()``'s host arguments and temporaries: offload); last, the compiled
 matmul FLOPs against the cost model's (``costmodel.flops_per_device``, which counts each policy's recompute).
 """
@@ -53,9 +53,7 @@ def main() -> None:
     overrides = {"layers": args.layers} if args.layers else {}
     model = models.get(args.model, **overrides)
     params = jax.eval_shape(model.init, jax.random.key(0))
-    n_params = sum(x.size for x in jax.tree.leaves(spmd.unbox(params)))
     batch = data.batch(0, 0, args.batch_size, model.config.seq_len, model.config.vocab)
-    six_nt = 6 * n_params * args.batch_size * model.config.seq_len
     title = f"{args.model}, batch {args.batch_size}, 8 devices: per step, compiled"
     table = Table(title=title, title_justify="left")
     columns = (
@@ -84,7 +82,7 @@ def main() -> None:
                 name,
                 mesh_text,
                 plan.remat.kind + (f":{','.join(plan.remat.names)}" if plan.remat.names else ""),
-                f"{flops / six_nt:.3f}",
+                f"{r.compiled_flops / r.model_flops:.3f}",
                 f"{flops / baseline[name]:.3f}",
                 f"{used / baseline['memory']:.3f}",
                 spmd.format_bytes(host),
