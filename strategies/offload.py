@@ -15,6 +15,6 @@ def offload(*parts: str) -> Plan:
 
     >>> import strategies
     >>> (strategies.zero3() + offload("optimizer")).describe()
-    'batch over data; fsdp(axis=data, min_bytes=4096); layers rematerialised; optimizer state offloaded to host'
+    'batch over data; fsdp(axis=data, min_bytes=4096); layers rematerialised (matmul outputs saved); optimizer state offloaded to host'
     """
     return Plan(offload=check_offload(parts or ("optimizer",), "strategies.offload"))
