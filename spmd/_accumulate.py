@@ -81,6 +81,9 @@ def check_accumulate(k: Any, api: str = "Plan.with_accumulation") -> int:
 def with_accumulation(plan: Any, k: int) -> Any:
     """``Plan.with_accumulation(k)``: each step runs its batch as ``k`` microbatches and accumulates their
     gradients, reduced once per step; the batch size must split into ``k`` microbatches the batch axes divide.
+    The loss must be a mean over the batch's rows with equal weights (as the built-in losses are): the step's
+    loss is the mean of the microbatches' (and, reduced once, of each device's), which is the whole batch's only
+    then; a summed loss, or one weighted by a per-row count of tokens, is another loss under accumulation.
 
     >>> import spmd
     >>> spmd.Plan(batch_axes=("data",)).with_accumulation(4).describe()
@@ -248,7 +251,7 @@ def _scanned(value_and_grad: Callable, task: Task, k: int, *, splits: bool) -> C
         _check(batch, k, task, splits)
         micro = jax.lax.with_sharding_constraint(microbatches(batch, k), jax.tree.map(lambda _: sharding, batch))
         total, acc, shapes = _scan(value_and_grad, params, micro, draw, k)
-        grads = jax.tree.map(lambda a, g: (a / k).astype(g.dtype), acc, shapes)
+        grads = jax.tree.map(lambda a, g: (a / k).astype(_result_dtype(task, g)), acc, shapes)
         return (total / k).astype(jnp.float32), grads
 
     return run
@@ -270,8 +273,10 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
         with nn.logical_axis_rules(_without_axes(nn.get_logical_axis_rules(), set(manual))):
             total, acc, _ = _scan(value_and_grad, params, micro, draw, k, layout if specs is not None else lambda g: g)
         # Each device's loss is the mean over its own rows: the whole batch's mean is the mean over the shards.
-        scale = 1.0 / (k * shards)
-        return (total * scale)[None], jax.tree.map(lambda a: (a * scale)[None], acc)
+        # The one reduction runs in the precision policy's ``reduce`` dtype (float32 without one): the partial
+        # sums are cast before they leave the device.
+        scale, wire = 1.0 / (k * shards), _reduce_dtype(task)
+        return (total * scale)[None], jax.tree.map(lambda a: (a * scale).astype(wire)[None], acc)
 
     generic = _scanned(value_and_grad, task, k, splits=True)
 
@@ -305,10 +310,24 @@ def _reduced_once(value_and_grad: Callable, task: Task, k: int, manual: Sequence
         total, acc = local(params, microbatches(batch, k), draw)
         # Summing the dimension split over the manual axes is the step's one reduction; the training step
         # constrains the result to the gradients' layout, so it lands there directly (all-reduce, reduce-scatter).
-        grads = jax.tree.map(lambda a, p: jnp.sum(a, axis=0).astype(jnp.result_type(p)), acc, params)
+        grads = jax.tree.map(lambda a, p: jnp.sum(a, axis=0).astype(_result_dtype(task, p)), acc, params)
         return jnp.sum(total), grads
 
     return run
+
+
+def _reduce_dtype(task: Task) -> Any:
+    """The dtype of the once-per-step reduction: the precision policy's ``reduce``, else float32."""
+    return jnp.float32 if task.plan is None or task.plan.precision is None else task.plan.precision.reduce
+
+
+def _result_dtype(task: Task, like: Any) -> Any:
+    """The accumulated gradients' dtype: the parameters' (the model's) without a precision policy; with one, the
+    accumulator's own float32 (the step casts it to the stored master dtype), not the compute dtype the
+    microbatches ran in, which would round the accumulated sum away."""
+    if task.plan is not None and task.plan.precision is not None:
+        return jnp.promote_types(jnp.float32, _reduce_dtype(task))
+    return jnp.result_type(like)
 
 
 def _without_axes(rules: Sequence[tuple[str, Any]], manual: set[str]) -> list[tuple[str, Any]]:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmd import axes as names
 from spmd._accumulate import check_accumulate, merged, with_accumulation
 from spmd._layout import Layout
+from spmd._offload import check_offload
 from spmd._precision import Precision
 from spmd._remat import Remat
 from spmd._resolve import activation_spec, batch_shardings, check_axes, resolve, sizes_of
@@ -77,6 +78,7 @@ class Plan:
     def __post_init__(self) -> None:
         check_accumulate(self.accumulate, "Plan(accumulate=...)")
         object.__setattr__(self, "remat", Remat.of(self.remat))  # bools and strings, as plans took before
+        object.__setattr__(self, "offload", check_offload(self.offload))
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod

@@ -4,11 +4,12 @@ that applies them to any model's parameter tree (as jmp does), whatever executor
 The stored parameters and the optimizer state keep ``params`` (fp32 master weights). Each step casts the float
 leaves to ``gather`` on each device's own shard, before any FSDP all-gather, so the gathered bytes are the
 narrow ones; then to ``compute`` for the model. The gradients come back in the compute dtype and reach the
-optimizer in ``params``. ``reduce`` names the dtype the gradients' reduction should run in; under SPMD
-annotations the compiler reduces each gradient at the matmul that makes it, in that matmul's dtype, so a model
-computing in bf16 reduces in bf16 whatever ``reduce`` says (the report reads the dtype the compiled reductions
-carry). :func:`master_weights` is ZeRO's arrangement instead: narrow stored parameters and the fp32 master in the
-optimizer state.
+optimizer in ``params``. ``reduce`` is the dtype of the one reduction per step that gradient accumulation makes
+(:mod:`spmd._accumulate`: the float32 accumulator is cast to it before it leaves the device). Without
+accumulation, under SPMD annotations the compiler reduces each gradient at the matmul that makes it, in that
+matmul's dtype, so a model computing in bf16 reduces in bf16 (the report reads the dtype the compiled reductions
+carry, the cost model prices it). :func:`master_weights` is ZeRO's arrangement instead: narrow stored
+parameters and the fp32 master in the optimizer state.
 """
 
 from __future__ import annotations

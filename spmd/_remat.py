@@ -85,6 +85,15 @@ class Remat:
             raise PlanError(f"spmd.Remat: {value!r} names no activation; the forms are {FORMS}")
         return cls(kind.strip(), names)
 
+    @property
+    def form(self) -> str:
+        """The policy as :meth:`of` and ``--remat`` read it.
+
+        >>> Remat("names", ("query_proj", "mlp_hidden")).form
+        'names:query_proj,mlp_hidden'
+        """
+        return self.kind + (":" + ",".join(self.names) if self.names else "")
+
     def __bool__(self) -> bool:
         """Whether anything is rematerialised (every kind but ``none``)."""
         return self.kind != "none"
@@ -196,6 +205,11 @@ def rematerialise(target: Any, *, prevent_cse: bool = True) -> Any:
     """
     if isinstance(target, type) and issubclass(target, nn.Module):
         return _linen_class(target, prevent_cse)
+    if isinstance(target, type):  # an nnx Module class: wrapping its constructor would checkpoint its creation
+        raise PlanError(
+            f"spmd.rematerialise({target.__name__}): takes a function or a linen Module class; for an nnx module "
+            f"wrap the function that calls it, e.g. rematerialise(lambda layer, x: layer(x))"
+        )
 
     @functools.wraps(target)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -105,7 +105,9 @@ _OUTPUT_NAMES |= {"wi": "mlp_hidden", "wo": "mlp_out"}
 
 def _output_name(m: Matmul) -> str | None:
     parts = m.row.path.split("/")
-    return _OUTPUT_NAMES.get(parts[-2]) if len(parts) > 1 else None
+    # A Dense's kernel sits in the module named for it; an expert layer's weights are named themselves.
+    holder = parts[-2] if parts[-1] == "kernel" and len(parts) > 1 else parts[-1]
+    return _OUTPUT_NAMES.get(holder)
 
 
 def _recomputed(plan: Plan, m: Matmul) -> bool:
@@ -334,11 +336,13 @@ def data_parallel_traffic(
     table, _ = token_lookup(layout.params.leaves, batch)
 
     # A precision policy gathers its cast copies; the gradients are reduced as the backward pass makes them, in
-    # the compute dtype; ZeRO-1/2 all-gather the updated stored shards.
+    # the compute dtype, except for the once-per-step reduction of accumulated gradients, which runs in the
+    # policy's reduce dtype (spmd._accumulate); ZeRO-1/2 all-gather the updated stored shards.
     precision = plan.precision
     for p, g, m in zip(layout.params.leaves, layout.grads.leaves, layout.moments.leaves, strict=True):
         stored = p.bytes_per_device
         local, reduced = stored * _width(p, precision, "gather"), stored * _width(p, precision, "compute")
+        once = stored * _width(p, precision, "reduce") if plan.accumulate > 1 else reduced
         p_axes, g_axes = _axes(p), _axes(g)
         fsdp = gathered_axes(p, batch) if table is None or p.path != table.row.path else set()
         n_fsdp = math.prod(sizes[a] for a in fsdp)
@@ -356,7 +360,7 @@ def data_parallel_traffic(
             times = (stage_uses[0] if staged else times) * plan.accumulate  # every accumulated microbatch gathers
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
-        grad_buffer = reduced * n_fsdp
+        grad_buffer = (reduced if fsdp else once) * n_fsdp
         if fsdp or zero2:
             reductions = stage_uses[1] if staged and fsdp else 1
             # Accumulation keeps the gradient in the parameters' FSDP layout: each microbatch reduce-scatters
@@ -367,7 +371,7 @@ def data_parallel_traffic(
                 combined=True,
             )  # fmt: skip
         n_zero2 = math.prod(sizes[a] for a in zero2)
-        totals.add("all-reduce", rest, grad_buffer / (n_fsdp * n_zero2), combined=True)
+        totals.add("all-reduce", rest, once / n_zero2, combined=True)
         if zero2:
             totals.add("all-gather", zero2, stored, combined=True)
         if zero1:

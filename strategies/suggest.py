@@ -163,7 +163,7 @@ def _variants(
     policies = [(plan.remat, ())]
     for r in map(Remat.of, remats):
         if all(r != seen for seen, _ in policies):
-            policies.append((r, ("--remat", r.kind + (":" + ",".join(r.names) if r.names else ""))))
+            policies.append((r, ("--remat", r.form)))
     for (policy, remat_flags), k, precision in itertools.product(policies, accumulations, precisions):
         flags = remat_flags + (("--accumulate", str(k)) if k > 1 else ())
         flags += ("--precision", "bf16") if precision is not None else ()

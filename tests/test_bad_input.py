@@ -194,3 +194,8 @@ def test_suggest_prints_a_run_command_with_the_flags_its_pick_depends_on():
     check(run_args)
     assert run_args.devices == 16 and run_args.layers == 2 and run_args.memory_per_device == 3 << 20
     assert run_args.remat.kind == "dots" and run_args.accumulate == 2 and run_args.precision == "bf16"
+    # A --remat given to suggest replaced every plan's own policy: the command keeps it.
+    args = parser().parse_args(["suggest", "--memory-per-device", "3MiB", "--remat", "names:query_proj"])
+    check(args)
+    command = _run_command(args, types.SimpleNamespace(mesh={"data": 8}, strategy="zero3", flags=()))
+    assert command.startswith("spmd run --model gpt-tiny --mesh data=8 --strategy zero3 --remat names:query_proj ")

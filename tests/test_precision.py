@@ -159,3 +159,27 @@ def test_cli_run_bf16_check_passes_and_the_loss_falls_as_in_fp32(capsys):
     assert bf16["losses"][-1] < bf16["losses"][0] - 0.5  # it trains
     np.testing.assert_allclose(bf16["losses"], fp32["losses"], rtol=BF16_ROUNDOFF)
     assert "bf16_check" not in fp32 and fp32["max_abs_diff"] <= 1e-4
+
+
+def test_accumulated_bf16_gradients_are_reduced_once_in_float32_and_reach_the_master_unrounded():
+    # bf16 microbatches, a float32 accumulator, its one reduction in the policy's reduce dtype: the sharded step
+    # equals one device under the same plan, and the cost model prices the reduction the step runs.
+    plan = strategies.data_parallel() + BF16 + strategies.accumulate(2)
+    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ref_losses, ref_state, _ = train_steps(_model(plan), plan, one, steps=STEPS, batch_size=2 * BATCH)
+    losses, state, step = train_steps(_model(plan), plan, spmd.make_mesh({"data": 8}), steps=STEPS, batch_size=16)
+    np.testing.assert_allclose(losses, ref_losses, rtol=BF16_ROUNDOFF)
+    start = spmd.unbox(_model(plan).init(jax.random.key(0)))
+    for a, b, p0 in zip(*(jax.tree.leaves(t) for t in (state.params, ref_state.params, start)), strict=True):
+        update = float(np.max(np.abs(np.asarray(b) - np.asarray(p0))))
+        assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= _param_tolerance(8) * update
+    # The executor hands the step float32 gradients (not rounded back to bf16 after the accumulation)...
+    batch = {"tokens": jax.ShapeDtypeStruct((16, 32), jnp.int32)}
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), spmd.unbox(step.model_params))
+    _, grads = jax.eval_shape(step.executor.value_and_grad, compute, batch)
+    assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
+    # ...reduced once, as float32, which is what the cost model expects.
+    r = spmd.report(step, batch)
+    (compiled,) = [c for c in r.collectives if c.kind == "all-reduce" and c.bytes > 1024]
+    (analytic,) = [t for t in r.analytic_collectives if t.kind == "all-reduce"]
+    assert compiled.dtype == "f32" and compiled.bytes == pytest.approx(analytic.bytes, rel=0.02)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 import spmd
 import strategies
@@ -96,6 +97,20 @@ def test_offloaded_activations_go_to_host_in_the_traced_step():
     compiled = step.compile(batch)
     if jax.default_backend() == "cpu":
         assert compiled.memory_analysis().host_temp_size_in_bytes == 0 and "S(5)" not in compiled.as_text()
+
+
+def test_the_moe_gpt_tags_its_layer_input_and_expert_mlp_as_the_gpt_does():
+    # A names or offload policy over mlp_hidden must find it in the expert MLP too, or it would keep nothing.
+    for name in ("layer_input", "mlp_hidden"):
+        model = models.get("moe-tiny", layers=2, remat=f"offload:{name}")
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        text = str(jax.make_jaxpr(jax.grad(models.loss_fn(model)))(params, data.batch(0, 0, BATCH, 32, 256)))
+        assert text.count("MemorySpace.Host") == 1, name  # the named activation, kept on the host
+
+
+def test_an_nnx_module_class_is_refused_with_the_wrapping_that_works():
+    with pytest.raises(spmd.PlanError, match=r"rematerialise\(Linear\): .* rematerialise\(lambda layer, x: layer"):
+        spmd.rematerialise(nnx.Linear)
 
 
 class _Layer(nn.Module):

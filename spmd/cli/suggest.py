@@ -103,6 +103,8 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
     another device) or refuse it (osdp needs --memory-per-device)."""
     shown = ",".join(f"{k}={v}" for k, v in best.mesh.items())
     parts = [f"spmd run --model {args.model} --mesh {shown} --strategy {best.strategy}", *best.flags]
+    if args.remat is not None and "--remat" not in best.flags:  # every ranked plan took it in place of its own
+        parts += ["--remat", args.remat.form]
     if args.devices is not None:
         parts.append(f"--devices {args.devices}")
     if args.layers:

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd import axes as A
@@ -170,12 +171,12 @@ class MoeMlp(nn.Module):
         # gather the whole batch onto every device instead (it does under ep+tp).
         tokens = _constrain_expert_major(constrain(tokens, GROUP_TOKENS), EXPERT_TOKENS)
         h = jnp.einsum("egcm,emh->egch", tokens, wi.astype(x.dtype))
-        h = _constrain_expert_major(nn.gelu(h), EXPERT_HIDDEN)
+        h = _constrain_expert_major(nn.gelu(checkpoint_name(h, "mlp_hidden")), EXPERT_HIDDEN)
         out = jnp.einsum("egch,ehm->egcm", h, wo.astype(x.dtype))
         out = _constrain_expert_major(out, EXPERT_TOKENS)
         # Back to group-major (the second all-to-all), then each token sums its experts' outputs.
         out = constrain(out, GROUP_TOKENS)
-        return jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), out)
+        return checkpoint_name(jnp.einsum("gsec,egcm->gsm", combine.astype(x.dtype), out), "mlp_out")
 
 
 class MoeBlock(nn.Module):
@@ -189,6 +190,7 @@ class MoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, None]:
         c = self.config
+        x = checkpoint_name(x, "layer_input")  # the remat policies' names, as gpt.py's Block tags them
         x = constrain(x + CausalSelfAttention(c, name="attn")(_layer_norm(c, "ln1")(x)), RESIDUAL)
         moe = MoeMlp(c, self.experts, self.top_k, self.capacity_factor, name="moe")
         x = constrain(x + moe(_layer_norm(c, "ln2")(x)), RESIDUAL)
