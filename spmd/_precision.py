@@ -15,16 +15,18 @@ parameters and the fp32 master in the optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import subjaxprs
 
-from spmd._rules import PlanError
+from spmd._rules import PlanError, PlanWarning, user_stacklevel
 
-__all__ = ["MasterState", "Precision", "cast_params", "master_weights", "to_stored_dtype"]
+__all__ = ["MasterState", "Precision", "cast_params", "check_compute", "master_weights", "to_stored_dtype"]
 
 
 def _float_name(value: Any, field: str) -> str:
@@ -193,3 +195,39 @@ def master_weights(inner: optax.GradientTransformation, dtype: Any = "float32") 
         return step, MasterState(master, inner_state)
 
     return optax.GradientTransformation(init, update)
+
+
+def _matmul_dtypes(jaxpr: Any) -> set[str]:
+    """The operand dtypes of every matmul (``dot_general``) in a (closed) jaxpr and the jaxprs nested in it."""
+    inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    out = {str(v.aval.dtype) for e in inner.eqns if e.primitive.name == "dot_general" for v in e.invars}
+    for sub in subjaxprs(inner):
+        out |= _matmul_dtypes(sub)
+    return out
+
+
+def check_compute(precision: Precision | None, jaxpr: Any) -> None:
+    """Warns when a step under ``precision`` runs no matmul in its compute dtype: the model casts the narrow
+    parameters back (flax's ``Dense(dtype=jnp.float32)`` promotes them), so the gathers shrink and the matmuls
+    do not. Said, not silently carried out as something else.
+
+    >>> import jax, jax.numpy as jnp, warnings
+    >>> f32 = jax.make_jaxpr(lambda w: w.astype(jnp.float32) @ jnp.ones((2, 2)))(jnp.ones((2, 2), jnp.bfloat16))
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     check_compute(Precision(), f32)
+    >>> "computes every matmul in float32" in str(seen[0].message)
+    True
+    """
+    if precision is None:
+        return
+    dtypes = _matmul_dtypes(jaxpr)
+    if dtypes and precision.compute not in dtypes:
+        warnings.warn(
+            f"mixed precision: the plan computes in {precision.compute}, and the model computes every matmul in "
+            f"{', '.join(sorted(dtypes))}: its layers cast the {precision.compute} parameters back (flax's "
+            f"Dense(dtype=jnp.float32) does). The gathers are narrow, the matmuls not; build the model with "
+            f"dtype=jnp.{precision.compute} (or dtype=None)",
+            PlanWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -21,7 +21,7 @@ from spmd._layout import StateLayout, pad, resolve_state, unpad
 from spmd._mesh import auto_twin, retyped, traced_auto
 from spmd._offload import check_host_memory, offloaded, on_device, on_host
 from spmd._plan import Plan
-from spmd._precision import cast_params, to_stored_dtype
+from spmd._precision import cast_params, check_compute, to_stored_dtype
 from spmd._resolve import check_unused_axes
 from spmd._rules import PlanError
 from spmd._tree import unbox
@@ -305,6 +305,7 @@ class TrainStep:
         key = _signature(batch)
         if key not in self._compiled:
             traced = self._trace(batch)
+            check_compute(self.plan.precision, traced.jaxpr)
             self._compiled[key] = (traced.lower().compile(), self.batch_shardings(batch), recomputes(traced.jaxpr))
         return self._compiled[key]
 

@@ -3,10 +3,12 @@ weights, and the gathers narrowed on each shard (the compiled all-gathers carry 
 
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import spmd
@@ -183,3 +185,19 @@ def test_accumulated_bf16_gradients_are_reduced_once_in_float32_and_reach_the_ma
     (compiled,) = [c for c in r.collectives if c.kind == "all-reduce" and c.bytes > 1024]
     (analytic,) = [t for t in r.analytic_collectives if t.kind == "all-reduce"]
     assert compiled.dtype == "f32" and compiled.bytes == pytest.approx(analytic.bytes, rel=0.02)
+
+
+def test_a_model_that_casts_the_parameters_back_to_float32_is_said_to():
+    # flax's Dense(dtype=float32) promotes bf16 parameters back: the gathers shrink, the matmuls do not.
+    plan, mesh = strategies.data_parallel() + BF16, spmd.make_mesh({"data": 8})
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 32), jnp.int32)}
+    for dtype, said in ((jnp.float32, True), (jnp.bfloat16, False)):
+        model = models.get("gpt-tiny", layers=1, dtype=dtype)
+        step = spmd.TrainStep(
+            models.loss_fn(model), optax.sgd(0.1), plan, mesh, params=jax.eval_shape(model.init, jax.random.key(0))
+        )
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            step.compile(batch)
+        warned = [w for w in seen if "the model computes every matmul in float32" in str(w.message)]
+        assert bool(warned) == said, dtype
