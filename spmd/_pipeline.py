@@ -8,11 +8,12 @@ tensor parallelism compose unchanged) walks the schedule's ticks in a ``lax.scan
 picks its action from a per-device table with ``lax.switch`` (idle, F, B, W, BW), then all devices exchange
 activations and input gradients with their ring neighbours by ``lax.ppermute``.
 
-Stage inputs are kept in slots (a slot lives from the arrival of a microbatch's input or input gradient to
-the end of its W), assigned ahead of time from the schedule, so a device's buffers hold exactly its peak of
-held microbatches. F computes forward; B and W recompute the chunk's forward from the kept input and take two
-separate gradients — to the input (sent back at once) and to the weights (deferrable), so zero-bubble
-schedules really defer the weight gradients.
+What a microbatch-chunk needs between its actions lives in a slot (from the arrival of its input to the end of
+its last backward; see :mod:`spmd._ticks`), assigned ahead of time from the schedule, so a device's buffers hold
+exactly its peak of held microbatches. No action runs a forward again: F keeps each layer's residuals, B computes
+only the input gradient (sent back at once) and keeps what the weight gradient reads, W computes only the weight
+gradient (deferrable, so zero-bubble schedules really defer it), each about one forward's work (see
+:mod:`spmd._residuals`). A remat policy in the plan trades that memory for recomputation.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
+from spmd._chunk import Chunk
 from spmd._context import constrain
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
 from spmd._layout import StateLayout, stored_abstract
+from spmd._remat import Remat
+from spmd._residuals import LayerVjp
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
-from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate
+from spmd._schedule import ScheduleError, simulate
+from spmd._ticks import BW, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
 from spmd._tree import is_box, leaves_with_paths
 from spmd.costmodel import Contribution, Workload, data_parallel_traffic, pipeline_tick_bytes, pipeline_traffic
 
@@ -46,11 +51,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "StagedModel", "TickProgram", "pipeline_executor", "split_layers", "tick_program"]
 
-# Action codes of the tick table and of the switch's branches.
-IDLE, F, B, W, BW = range(5)
-TICK_SCOPE = "spmd_pipeline_tick"  # named scope of the tick switch, found again in the compiled program
-CODES = {"F": F, "B": B, "W": W, "BW": BW}
-FIELDS = ("kind", "microbatch", "chunk", "slot", "first", "last", "branch", "recv_forward", "recv_backward")
+# Named scopes found again in the compiled program, where the work of each branch is weighed by its use.
+TICK_SCOPE = "spmd_pipeline_tick"  # the tick's switch over idle, F, B, W, BW
+HEAD_SCOPE = "spmd_pipeline_head"  # F's loss and its gradient, on the last stage only
+EMBED_SCOPE = "spmd_pipeline_embed"  # the embedding's gradient, on the first stage only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,185 +94,28 @@ def _set(tree: Any, keys: Sequence[str], value: Any) -> Any:
     return {**tree, keys[0]: _set(tree[keys[0]], keys[1:], value)}
 
 
-# ------------------------------------------------------------------------------------------ layer placement
-def split_layers(layers: int, stages: int, counts: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Layers per global stage: ``counts`` checked, or an even split.
-
-    >>> split_layers(8, 4), split_layers(8, 4, (3, 3, 1, 1))
-    ((2, 2, 2, 2), (3, 3, 1, 1))
-    """
-    if counts is None:
-        if layers % stages:
-            raise ScheduleError(
-                f"pipeline: {layers} layers do not split evenly over {stages} stages; change the number of "
-                f"layers (e.g. --layers {stages * max(1, round(layers / stages))}) or give layers per stage"
-            )
-        return (layers // stages,) * stages
-    counts = tuple(int(c) for c in counts)
-    if len(counts) != stages or any(c < 0 for c in counts) or sum(counts) != layers:
-        raise ScheduleError(
-            f"pipeline: layers per stage {list(counts)} must be {stages} non-negative counts summing to the "
-            f"model's {layers} layers"
-        )
-    return counts
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Which of the model's layers each (device, chunk) holds, padded to the longest stage."""
-
-    schedule: Schedule
-    counts: tuple[int, ...]  # per global stage
-
-    @property
-    def longest(self) -> int:
-        return max(max(self.counts), 1)
-
-    @functools.cached_property
-    def index(self) -> np.ndarray:
-        """``[p, v, longest]`` layer indices; -1 marks padding."""
-        s = self.schedule
-        starts = np.concatenate([[0], np.cumsum(self.counts)])
-        out = np.full((s.stages, s.virtual, self.longest), -1, np.int64)
-        for d in range(s.stages):
-            for c in range(s.virtual):
-                g = s.stage_of(d, c)
-                out[d, c, : self.counts[g]] = np.arange(starts[g], starts[g + 1])
-        return out
-
-    def stack(self, x: jax.Array) -> jax.Array:
-        """``[layers, ...]`` -> ``[p, v, longest, ...]`` with zeros in the padding."""
-        idx = self.index
-        taken = jnp.take(x, np.maximum(idx, 0).reshape(-1), axis=0).reshape(*idx.shape, *x.shape[1:])
-        mask = (idx >= 0).reshape(*idx.shape, *([1] * (x.ndim - 1)))
-        return jnp.where(mask, taken, jnp.zeros((), x.dtype))
-
-    def unstack(self, x: jax.Array) -> jax.Array:
-        """The inverse of :meth:`stack`."""
-        flat = self.index.reshape(-1)
-        order = np.argsort(np.where(flat < 0, len(flat), flat), kind="stable")[: int(sum(self.counts))]
-        return jnp.take(x.reshape(-1, *x.shape[3:]), order, axis=0)
-
-    @functools.cached_property
-    def branches(self) -> tuple[int, ...]:
-        """The distinct layer counts of the stages: one switch branch each."""
-        return tuple(sorted(set(self.counts)))
-
-
-# ---------------------------------------------------------------------------------------------- tick table
-@dataclasses.dataclass(frozen=True)
-class TickProgram:
-    """The schedule compiled to ticks: ``table[tick, device]`` holds the :data:`FIELDS`; ``slots`` is the
-    number of stage-input slots each device needs.
-
-    >>> import strategies
-    >>> s = strategies.pipeline_schedule("gpipe", stages=2, microbatches=2)
-    >>> tick_program(s, Placement(s, (1, 1))).actions()  # [tick][device]
-    [['F0', None], ['F1', 'F0'], [None, 'F1'], [None, 'BW0'], ['BW0', 'BW1'], ['BW1', None]]
-    """
-
-    table: np.ndarray
-    slots: int
-
-    @property
-    def ticks(self) -> int:
-        return self.table.shape[0]
-
-    def actions(self) -> list[list[str | None]]:
-        """The table as ``[tick][device]`` action strings (``"F3"``, ``"B3.1"``) or None, like the simulator's."""
-        names = {v: k for k, v in CODES.items()}
-        return [
-            [
-                None if row[0] == IDLE else f"{names[int(row[0])]}{row[1]}" + (f".{row[2]}" if row[2] else "")
-                for row in tick
-            ]
-            for tick in self.table
-        ]
-
-
-def tick_program(schedule: Schedule, placement: Placement) -> TickProgram:
-    """Each action runs in the tick the simulator gives it at unit cost; a result sent in tick ``t`` is stored
-    by its receiver at the end of ``t``. Slots are assigned by interval colouring (optimal: the number of slots
-    is the peak of held inputs).
-
-    >>> import strategies
-    >>> s = strategies.pipeline_schedule("1f1b", stages=4, microbatches=8)
-    >>> program = tick_program(s, Placement(s, (1, 1, 1, 1)))  # one layer per stage
-    >>> program.ticks, program.slots, simulate(s).peak_inflight  # device 0 holds 4 stage inputs at most
-    (22, 4, (4, 3, 2, 1))
-    """
-    v = schedule.virtual  # a chunk's op costs 1/v of a stage's: scale so that every op takes one tick
-    timeline = simulate(schedule, Costs(F=v, B=v, W=v, BW=v))
-    table = timeline.ticks()
-    p, last_stage = schedule.stages, schedule.total_stages - 1
-    tick_of = {(d, a): t for t, row in enumerate(table) for d, a in enumerate(row) if a is not None}
-    grad_kind = {
-        (schedule.stage_of(d, a.chunk), a.microbatch): a.kind
-        for d, row in enumerate(schedule.actions)
-        for a in row
-        if a.kind in ("B", "BW")
-    }
-    out = np.zeros((len(table), p, len(FIELDS)), np.int32)
-    out[..., FIELDS.index("recv_forward")] = -1
-    out[..., FIELDS.index("recv_backward")] = -1
-    slots = 1
-    for d, row in enumerate(schedule.actions):
-        # (acquire tick, release tick, key, arrivals) per microbatch-chunk held on this device.
-        held = []
-        for a in row:
-            if a.kind not in ("W", "BW"):
-                continue
-            s, mb = schedule.stage_of(d, a.chunk), a.microbatch
-            arrivals = []
-            if s > 0:
-                src, chunk = schedule.where(s - 1)
-                arrivals.append((tick_of[src, Action("F", mb, chunk)], "recv_forward"))
-            if s < last_stage:
-                src, chunk = schedule.where(s + 1)
-                arrivals.append((tick_of[src, Action(grad_kind[s + 1, mb], mb, chunk)], "recv_backward"))
-            if arrivals:
-                held.append((min(t for t, _ in arrivals), tick_of[d, a], (mb, a.chunk), arrivals))
-        slot_of: dict[tuple[int, int], int] = {}
-        free: list[tuple[int, int]] = []  # (release tick, slot)
-        count = 0
-        for acquire, release, key, arrivals in sorted(held):
-            reusable = [f for f in free if f[0] <= acquire]
-            if reusable:
-                free.remove(min(reusable))
-                slot = min(reusable)[1]
-            else:
-                slot, count = count, count + 1
-            free.append((release, slot))
-            slot_of[key] = slot
-            for t, field in arrivals:
-                out[t, d, FIELDS.index(field)] = slot
-        slots = max(slots, count)
-        for a in row:
-            t, s = tick_of[d, a], schedule.stage_of(d, a.chunk)
-            out[t, d, :7] = (
-                CODES[a.kind],
-                a.microbatch,
-                a.chunk,
-                slot_of.get((a.microbatch, a.chunk), 0),
-                s == 0,
-                s == last_stage,
-                placement.branches.index(placement.counts[s]),
-            )
-    return TickProgram(out, slots)
-
-
 # ------------------------------------------------------------------------------------------------ executor
 class _Device(NamedTuple):
     """What every tick of one device's program reads: its chunks' weights, the replicated outer parameters,
-    the microbatches, one layer-stack function per stage depth, and how to lay out kept stage inputs."""
+    the microbatches, one :class:`~spmd._chunk.Chunk` per stage depth, and how to lay out slots."""
 
     weights: Any
     outer: Any
     micro: Any
-    depths: list[Callable]
+    chunks: list[Chunk]
     lay_out: Callable[[jax.Array], jax.Array]
     replicate: Callable[[Any], Any]
     shards: int
+
+
+class _Slots(NamedTuple):
+    """A device's slots (``[slot, ...]`` each): stage inputs, output gradients, what F keeps for the
+    backward, and what B hands to W."""
+
+    inputs: jax.Array
+    grads: jax.Array
+    kept: tuple[jax.Array, ...]
+    carried: tuple[jax.Array, ...]
 
 
 class Pipeline:
@@ -287,7 +134,13 @@ class Pipeline:
     """
 
     def __init__(
-        self, staged: StagedModel, spec: PipelineSpec, mesh: Mesh, layers: int, data_axes: Sequence[str] = ()
+        self,
+        staged: StagedModel,
+        spec: PipelineSpec,
+        mesh: Mesh,
+        layers: int,
+        data_axes: Sequence[str] = (),
+        remat: Remat = Remat(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         if spec.axis not in mesh.shape:
             raise ScheduleError(f"pipeline: the mesh has no axis {spec.axis!r} ({dict(mesh.shape)})")
@@ -297,6 +150,7 @@ class Pipeline:
                 f"{spec.axis!r} has {mesh.shape[spec.axis]} devices"
             )
         self.staged, self.spec, self.mesh, self.data_axes = staged, spec, mesh, tuple(data_axes)
+        self.remat = remat  # each layer's, inside every chunk: what F keeps and B or W recompute
         counts = split_layers(layers, spec.schedule.total_stages, spec.layers_per_stage)
         self.placement = Placement(spec.schedule, counts)
         self.program = tick_program(spec.schedule, self.placement)
@@ -366,21 +220,20 @@ class Pipeline:
 
     def weight_uses(self) -> tuple[float, float]:
         """Per step, how many times a device uses its chunks' weights and makes their gradients, in whole
-        stacks of its chunks: every F uses them once, every B, W or BW twice (it recomputes the chunk's forward,
-        then differentiates it), and every W or BW makes a gradient. What FSDP gathers and reduces inside the
-        stages.
+        stacks of its chunks: every action uses them once (B for the input gradient's matmuls, W for the layers'
+        parts the weight gradient derives from the weights), and every W or BW makes a gradient. What FSDP
+        gathers and reduces inside the stages.
 
         >>> import spmd, strategies
         >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
         >>> plan = strategies.pipeline("zb-h1", stages=2, microbatches=4)
         >>> Pipeline(None, plan.execution, mesh, layers=4).weight_uses()  # 4 F, 4 B, 4 W
-        (20.0, 4.0)
+        (12.0, 4.0)
         """
         s = self.spec.schedule
         actions = s.actions[0]  # every device runs each microbatch of each of its chunks once
-        uses = sum(1 if a.kind == "F" else 2 for a in actions)
         grads = sum(a.kind in ("W", "BW") for a in actions)
-        return uses / s.virtual, grads / s.virtual
+        return len(actions) / s.virtual, grads / s.virtual
 
     def figures(self) -> dict[str, Any]:
         """The schedule's figures: simulated with unit op costs, and as the executor runs it."""
@@ -417,6 +270,14 @@ class Pipeline:
         loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(self.program.table))
         return loss, _set(grad_outer, self.staged.layers_key, grad_layers), codes
 
+    def chunks(self, weights: Any, x: Any) -> list[Chunk]:
+        """One :class:`~spmd._chunk.Chunk` per distinct stage depth, for a device's ``[chunk, layer, ...]``
+        weights and a stage input ``x`` (arrays or abstract), under the plan's remat policy."""
+        layer = self.remat.wrap(self.staged.layer) if self.remat else self.staged.layer
+        one = jax.tree.map(lambda a: a[0, 0], weights)
+        split = LayerVjp(layer, one, x)
+        return [Chunk(split, count, self.placement.longest) for count in self.placement.branches]
+
     def _body(self, stacked: Any, outer: Any, micro: Any, table: jax.Array, *, x_abstract: Any) -> tuple:
         axis, data_axes = self.spec.axis, self.data_axes
         # The embedding and the head run inside the switch's branches, on one stage's devices only. A collective
@@ -428,22 +289,31 @@ class Pipeline:
         replicate = lambda tree: jax.lax.with_sharding_constraint(tree, whole)  # noqa: E731
         logical = self.staged.activation_names
         lay_out = (lambda x: constrain(x, (None, *logical))) if logical else (lambda x: x)  # noqa: E731
+        weights = jax.tree.map(lambda a: a[0], stacked)  # this device's [chunk, layer, ...]
+        x = jnp.zeros(x_abstract.shape, x_abstract.dtype)
         device = _Device(
-            weights=jax.tree.map(lambda a: a[0], stacked),  # this device's [chunk, layer, ...]
+            weights=weights,
             outer=replicate(outer),
             micro=micro,
-            # One branch per distinct stage depth, so a shallower stage really computes less.
-            depths=[functools.partial(self._layers, count=k) for k in self.placement.branches],
+            chunks=self.chunks(weights, x),  # one per distinct stage depth: a shallower stage computes less
             lay_out=lay_out,
             replicate=replicate,
             # Each device's loss is the mean over its own rows: the mean over all is their mean over data_axes.
             shards=math.prod(self.mesh.shape[a] for a in data_axes),
         )
-        slots = lay_out(jnp.zeros((self.program.slots, *x_abstract.shape), x_abstract.dtype))
+        n, chunk = self.program.slots, device.chunks[0]
+        # B hands values to W only in schedules that split the backward.
+        split = any(a.kind == "W" for row in self.spec.schedule.actions for a in row)
+        slots = _Slots(
+            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
+            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
+            tuple(jnp.zeros((n, *k.shape), k.dtype) for k in chunk.kept),
+            tuple(jnp.zeros((n, *c.shape), c.dtype) for c in chunk.carried) if split else (),
+        )
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        init = (slots, slots, zeros(device.weights), replicate(zeros(outer)), jnp.zeros((), jnp.float32))
+        init = (slots, zeros(device.weights), replicate(zeros(outer)), jnp.zeros((), jnp.float32))
         rows = table[:, jax.lax.axis_index(axis)]
-        (_, _, grad_w, grad_outer, loss), codes = jax.lax.scan(functools.partial(self._tick, device), init, rows)
+        (_, grad_w, grad_outer, loss), codes = jax.lax.scan(functools.partial(_tick, self, device), init, rows)
         # The loss lives on the last stage, the embedding's gradient on the first, the head's on the last; each
         # data shard holds its own rows' share of all three.
         loss, grad_outer = jax.lax.psum((loss, grad_outer), axis)
@@ -451,75 +321,105 @@ class Pipeline:
             loss, grad_outer, grad_w = jax.lax.psum((loss, grad_outer, grad_w), data_axes)
         return loss, jax.tree.map(lambda g: g[None], grad_w), grad_outer, codes[None]
 
-    def _tick(self, device: _Device, carry: tuple, row: jax.Array) -> tuple:
-        """One tick of one device: its action (a switch over idle, F, B, W, BW), then both ring exchanges."""
-        staged, p, m = self.staged, self.spec.schedule.stages, self.spec.schedule.microbatches
-        inputs, grads_in, grad_w, grad_outer, loss = carry
-        kind, mb, chunk, slot, first, last, branch, recv_f, recv_b = (row[i] for i in range(len(FIELDS)))
-        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, mb, 0, keepdims=False), device.micro)
-        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), device.weights)
-        x_in, g_out, outer = inputs[slot], grads_in[slot], device.outer
 
-        def forward(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
-            x = jnp.where(first, staged.embed(outer, batch), x_in)
-            depths = device.depths
-            return depths[0](w, x) if len(depths) == 1 else jax.lax.switch(branch, depths, w, x)
+def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tuple:
+    """One tick of one device: its action (a switch over idle, F, B, W, BW), the results it keeps, then the
+    ring exchanges."""
+    staged, p, m = engine.staged, engine.spec.schedule.stages, engine.spec.schedule.microbatches
+    slots, grad_w, grad_outer, loss = carry
+    field = dict(zip(FIELDS, (row[i] for i in range(len(FIELDS))), strict=True))
+    kind, chunk, slot, first, last = (field[k] for k in ("kind", "chunk", "slot", "first", "last"))
+    batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, field["microbatch"], 0, False), device.micro)
+    w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), device.weights)
+    x_in, g_out, outer = slots.inputs[slot], slots.grads[slot], device.outer
+    kept, carried = (tuple(b[slot] for b in bufs) for bufs in (slots.kept, slots.carried))
+    by_depth = lambda name, *args: _by_depth(device.chunks, field["branch"], name, *args)  # noqa: E731
+    nothing = (jnp.zeros_like(x_in), _zeros(kept), _zeros(carried))
+    split = len(carried) == len(device.chunks[0].carried)  # slots for what B hands W: the schedule runs W
 
-        def head(outer: Any, y: jax.Array) -> jax.Array:
-            return staged.loss(outer, y, batch) / (m * device.shards)
+    def add(grads: Any, d: Any) -> Any:
+        return jax.tree.map(jnp.add, grads, device.replicate(d))
 
-        def objective(w: Any, outer: Any, x_in: jax.Array) -> jax.Array:
-            # The backward of a stage is the gradient of this scalar: the microbatch's share of the loss on the
-            # last stage, else the output paired with the output gradient the next stage sent.
-            y = forward(w, outer, x_in)
-            return jax.lax.cond(last, head, lambda _, y: jnp.vdot(y, g_out).astype(jnp.float32), outer, y)
+    def head(outer: Any, y: jax.Array) -> tuple:
+        # On the last stage F also makes the loss's gradient: its output gradient, kept for its own B.
+        loss, (d_outer, dy) = jax.value_and_grad(lambda o, y: staged.loss(o, y, batch) / (m * device.shards), (0, 1))(
+            outer, y
+        )
+        return loss.astype(jnp.float32), d_outer, dy
 
-        def accumulate(dw: Any) -> Any:
-            return jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grad_w, dw)
+    def embed_grad(outer: Any, dx: jax.Array) -> Any:
+        return jax.vjp(lambda o: staged.embed(o, batch), outer)[1](dx)[0]
 
-        zeros = jnp.zeros_like(x_in)
-        no_loss = lambda *_: jnp.zeros((), jnp.float32)  # noqa: E731
+    def no(*args: Any) -> Any:
+        return jnp.zeros((), jnp.float32), _zeros(outer), jnp.zeros_like(x_in)
 
-        def idle() -> tuple:
-            return zeros, zeros, grad_w, grad_outer, loss, IDLE
+    def idle() -> tuple:
+        return (*nothing, grad_w, grad_outer, loss, IDLE)
 
-        def fwd() -> tuple:
-            y = forward(w, outer, x_in)
-            return y, zeros, grad_w, grad_outer, loss + jax.lax.cond(last, head, no_loss, outer, y), F
+    def fwd() -> tuple:
+        y, new_kept = by_depth("forward", w, jnp.where(first, staged.embed(outer, batch), x_in))
+        with jax.named_scope(HEAD_SCOPE):
+            got, d_outer, dy = jax.lax.cond(last, head, no, outer, y)
+        return jnp.where(last, dy, y), new_kept, nothing[2], grad_w, add(grad_outer, d_outer), loss + got, F
 
-        def input_grad() -> tuple:
-            return zeros, jax.grad(objective, argnums=2)(w, outer, x_in), grad_w, grad_outer, loss, B
+    def backward(dx: jax.Array, grads: Any) -> Any:
+        with jax.named_scope(EMBED_SCOPE):  # on the first stage, the input gradient is the embedding's
+            d_outer = jax.lax.cond(first, embed_grad, lambda o, _: _zeros(o), outer, dx)
+        return add(grads, d_outer)
 
-        def weight_grad() -> tuple:
-            dw, douter = jax.grad(objective, argnums=(0, 1))(w, outer, x_in)
-            return zeros, zeros, accumulate(dw), _add(grad_outer, device.replicate(douter)), loss, W
+    def input_grad() -> tuple:
+        dx, new_carried = by_depth("input_grad", w, kept, g_out)
+        return dx, nothing[1], new_carried if split else (), grad_w, backward(dx, grad_outer), loss, B
 
-        def both() -> tuple:
-            dw, douter, dx = jax.grad(objective, argnums=(0, 1, 2))(w, outer, x_in)
-            return zeros, dx, accumulate(dw), _add(grad_outer, device.replicate(douter)), loss, BW
+    def weight_grad() -> tuple:
+        if not split:  # never taken: the schedule runs no W
+            return idle()
+        dw = by_depth("weight_grad", w, kept, carried)
+        return (*nothing, _accumulate(grad_w, chunk, dw), grad_outer, loss, W)
 
-        with jax.named_scope(TICK_SCOPE):  # lets the collective inventory weigh the branches by their use
-            send_f, send_b, grad_w, grad_outer, loss, code = jax.lax.switch(
-                kind, [idle, fwd, input_grad, weight_grad, both]
-            )
-        # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver keeps
-        # what arrives only where the table expects it.
-        got_f = jax.lax.ppermute(send_f, self.spec.axis, [(i, (i + 1) % p) for i in range(p)])
-        got_b = jax.lax.ppermute(send_b, self.spec.axis, [(i, (i - 1) % p) for i in range(p)])
-        inputs = device.lay_out(_store(inputs, recv_f, got_f))
-        grads_in = device.lay_out(_store(grads_in, recv_b, got_b))
-        return (inputs, grads_in, grad_w, grad_outer, loss), code
+    def both() -> tuple:
+        dx, handed = by_depth("input_grad", w, kept, g_out)
+        dw = by_depth("weight_grad", w, kept, handed)
+        return dx, *nothing[1:], _accumulate(grad_w, chunk, dw), backward(dx, grad_outer), loss, BW
 
-    def _layers(self, w: Any, x: jax.Array, *, count: int) -> jax.Array:
-        if count == 0:
-            return x
-        step = lambda x, layer: (self.staged.layer(layer, x), None)  # noqa: E731
-        x, _ = jax.lax.scan(step, x, jax.tree.map(lambda a: a[:count], w))
-        return x
+    with jax.named_scope(TICK_SCOPE):  # lets the collective inventory weigh the branches by their use
+        msg, new_kept, new_carried, grad_w, grad_outer, loss, code = jax.lax.switch(
+            kind, [idle, fwd, input_grad, weight_grad, both]
+        )
+    slots = slots._replace(
+        kept=tuple(_store(b, jnp.where(kind == F, slot, -1), v) for b, v in zip(slots.kept, new_kept, strict=True)),
+        carried=tuple(
+            _store(b, jnp.where(kind == B, slot, -1), v) for b, v in zip(slots.carried, new_carried, strict=True)
+        ),
+    )
+    # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver keeps
+    # what arrives only where the table expects it.
+    arrived = {
+        "up": jax.lax.ppermute(msg, engine.spec.axis, [(i, (i + 1) % p) for i in range(p)]),
+        "down": jax.lax.ppermute(msg, engine.spec.axis, [(i, (i - 1) % p) for i in range(p)]),
+        "self": msg,
+    }
+    inputs, grads = slots.inputs, slots.grads
+    for route, value in arrived.items():
+        at, is_grad = field[f"{route}_slot"], field[f"{route}_grad"]
+        inputs = _store(inputs, jnp.where(is_grad, -1, at), value)
+        grads = _store(grads, jnp.where(is_grad, at, -1), value)
+    slots = slots._replace(inputs=device.lay_out(inputs), grads=device.lay_out(grads))
+    return (slots, grad_w, grad_outer, loss), code
 
 
-def _add(a: Any, b: Any) -> Any:
-    return jax.tree.map(jnp.add, a, b)
+def _by_depth(chunks: list[Chunk], branch: jax.Array, name: str, *args: Any) -> Any:
+    """``chunk.name(*args)`` for the chunk of this stage's depth (a switch when stages differ in depth)."""
+    fns = [getattr(c, name) for c in chunks]
+    return fns[0](*args) if len(fns) == 1 else jax.lax.switch(branch, fns, *args)
+
+
+def _accumulate(grads: Any, chunk: jax.Array, dw: Any) -> Any:
+    return jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads, dw)
+
+
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -554,7 +454,8 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
     with warnings.catch_warnings():  # the training step resolves the same layout again, and warns there
         warnings.simplefilter("ignore", PlanWarning)
         split = task.plan.resolve(stacked, task.mesh).leaves
-    engine = Pipeline(task.staged, spec, task.mesh, layers, data_axes=_manual_axes(task.plan, split, task.mesh))
+    data_axes = _manual_axes(task.plan, split, task.mesh)
+    engine = Pipeline(task.staged, spec, task.mesh, layers, data_axes=data_axes, remat=task.plan.remat)
     return Executor(
         engine.value_and_grad,
         to_stored=engine.stack,
