@@ -329,8 +329,9 @@ def test_zero_bubble_v_closed_forms(p, m):
     # 1F1B's peak, p microbatches of a whole stage, is 2p of half-stage chunks; ZB-V holds it on every device.
     assert t.peak_inflight == t.peak_held == (2 * p,) * p
     assert 2 * max(bubble("1f1b", p, m).peak_inflight) == 2 * p
-    # Zero bubble whatever the common op time.
-    assert simulate(s, Costs(F=3, B=3, W=3)).idle == (0,) * p
+    # Zero bubble whatever the common op time T: makespan m·3T + (p − 1)·T/2.
+    t = simulate(s, Costs(F=3, B=3, W=3))
+    assert t.idle == (0,) * p and t.makespan == 9 * m + Fraction(3 * (p - 1), 2)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
