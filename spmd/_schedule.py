@@ -2,13 +2,20 @@
 
 An action is ``(kind, microbatch, chunk)`` with kind ``F`` (forward), ``B`` (backward to the input: the
 activation gradient the previous stage waits for), ``W`` (backward to the weights, which nothing waits for) or
-``BW`` (both at once). With ``virtual = v`` chunks per device, chunk ``c`` of device ``d`` is global stage
-``c·p + d`` (the looping placement of interleaved and breadth-first schedules), so a microbatch passes every
-device ``v`` times.
+``BW`` (both at once). With ``virtual = v`` chunks per device, a schedule's ``placement`` says which global stage
+chunk ``c`` of device ``d`` runs:
+
+- ``"loop"`` (the default): stage ``c·p + d``, the looping placement of interleaved and breadth-first schedules;
+  a microbatch passes every device ``v`` times, always to the next device on the ring;
+- ``"v"``: exactly two chunks per device, device ``d`` holding stages ``d`` and ``2p − 1 − d`` (ZB-V, DualPipeV):
+  a microbatch goes down the devices and back up, stage ``p − 1`` to ``p`` staying on the last device, and the
+  first device holds the first stage and the last (the loss).
 
 The simulator times a schedule with given op costs (a chunk's op costs ``1/v`` of a stage's): every device runs
 its actions in order, each as soon as the device is free and its inputs exist. Times are exact fractions, so
-bubble fractions equal the papers' closed forms exactly.
+bubble fractions equal the papers' closed forms exactly. :func:`simulate_lockstep` times a schedule as one SPMD
+program runs it: on :func:`tick_table`'s grid (one action per device per tick), each tick as long as its
+dearest action, so a cheap action paired with a dear one waits out the tick.
 """
 
 from __future__ import annotations
@@ -28,16 +35,20 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "KINDS",
+    "PLACEMENTS",
     "Action",
     "Costs",
     "Schedule",
     "ScheduleError",
     "Timeline",
     "simulate",
+    "simulate_lockstep",
+    "tick_table",
     "validate",
 ]
 
 KINDS = ("F", "B", "W", "BW")
+PLACEMENTS = ("loop", "v")  # see the module's docstring
 
 
 class ScheduleError(ValueError):
@@ -114,6 +125,9 @@ def _parse_action(item: Any, name: str, device: int, position: int) -> Action:
 class Schedule:
     """Per device (a position on the ``stage`` mesh axis), the ordered actions it runs: plain, frozen data.
 
+    ``placement`` maps (device, chunk) to a global stage: ``"loop"`` (``c·p + d``) or ``"v"`` (two chunks per
+    device, stages ``d`` and ``2p − 1 − d``); see :meth:`stage_of`.
+
     >>> s = Schedule("mine", 2, (("F0", "F1", "BW0", "BW1"), ("F0", "BW0", "F1", "BW1")))
     >>> s.stages, s.actions[1][1]
     (2, Action(kind='BW', microbatch=0, chunk=0))
@@ -123,12 +137,23 @@ class Schedule:
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     virtual: int = 1
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         for field, what in (("microbatches", "microbatches"), ("virtual", "virtual (chunks per device)")):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"schedule {self.name}: {what} must be a positive integer, got {_short(value)}")
+        if self.placement not in PLACEMENTS:
+            raise ScheduleError(
+                f"schedule {self.name}: placement must be one of {', '.join(map(repr, PLACEMENTS))}, got "
+                f"{_short(self.placement)}; use 'loop' (chunk c of device d is stage c·p + d) or 'v'"
+            )
+        if self.placement == "v" and self.virtual != 2:
+            raise ScheduleError(
+                f"schedule {self.name}: placement 'v' puts exactly two chunks on each device, but virtual is "
+                f"{self.virtual}; give virtual=2, or placement='loop'"
+            )
         if not _is_list(self.actions) or not all(_is_list(row) for row in self.actions):
             raise ScheduleError(
                 f"schedule {self.name}: actions must hold one list of actions per device, e.g. "
@@ -152,12 +177,23 @@ class Schedule:
         return self.stages * self.virtual
 
     def stage_of(self, device: int, chunk: int) -> int:
-        """The global stage that ``chunk`` of ``device`` runs (looping placement)."""
+        """The global stage that ``chunk`` of ``device`` runs: ``chunk·p + device`` under the looping placement,
+        ``device`` or ``2p − 1 − device`` under the V.
+
+        >>> v = Schedule("v", 1, (("F0", "F0.1", "B0.1", "B0", "W0.1", "W0"),) * 2, virtual=2, placement="v")
+        >>> [v.stage_of(d, c) for c in (0, 1) for d in (0, 1)], v.where(2)
+        ([0, 1, 3, 2], (1, 1))
+        """
+        if self.placement == "v":
+            return device if chunk == 0 else 2 * self.stages - 1 - device
         return chunk * self.stages + device
 
     def where(self, stage: int) -> tuple[int, int]:
-        """(device, chunk) running global ``stage``."""
-        return stage % self.stages, stage // self.stages
+        """(device, chunk) running global ``stage``: the inverse of :meth:`stage_of`."""
+        p = self.stages
+        if self.placement == "v":
+            return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+        return stage % p, stage // p
 
     # -- files ----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +202,7 @@ class Schedule:
             "stages": self.stages,
             "microbatches": self.microbatches,
             "virtual": self.virtual,
+            "placement": self.placement,
             "actions": [[list(a) for a in row] for row in self.actions],
         }
 
@@ -179,15 +216,20 @@ class Schedule:
         return _from_dict(cls, data, "Schedule.from_dict", "custom")
 
     def to_csv(self) -> str:
-        """One row per device, one cell per action (``F3``, ``B3``, ``W3``, ``BW3``; chunk ``c`` as ``F3.c``)."""
+        """One row per device, one cell per action (``F3``, ``B3``, ``W3``, ``BW3``; chunk ``c`` as ``F3.c``). The
+        table holds no placement: give it again to :meth:`from_csv` (``placement="v"``), or keep a V-placed
+        schedule in JSON (:meth:`to_dict`), which does."""
         out = io.StringIO()
         csv.writer(out, lineterminator="\n").writerows([str(a) for a in row] for row in self.actions)
         return out.getvalue()
 
     @classmethod
-    def from_csv(cls, text: str, *, name: str = "custom", virtual: int | None = None) -> Schedule:
+    def from_csv(
+        cls, text: str, *, name: str = "custom", virtual: int | None = None, placement: str = "loop"
+    ) -> Schedule:
         """Reads :meth:`to_csv`'s table (empty cells skipped, like torchtitan's tables); the microbatch and
-        chunk counts are read off the actions.
+        chunk counts are read off the actions. A CSV table cannot say its placement: it is ``placement``
+        (``"loop"`` unless given; ``"v"`` for a ZB-V table).
 
         >>> Schedule.from_csv("F0,F1,BW0,BW1\\nF0,BW0,F1,BW1\\n").microbatches
         2
@@ -204,12 +246,13 @@ class Schedule:
             raise ScheduleError(f"schedule {name}: the table is empty; give one row of actions per device")
         m = 1 + max(a.microbatch for row in actions for a in row)
         v = virtual or 1 + max(a.chunk for row in actions for a in row)
-        return cls(name, m, tuple(tuple(r) for r in actions), v)
+        return cls(name, m, tuple(tuple(r) for r in actions), v, placement)
 
     @classmethod
-    def load(cls, path: str) -> Schedule:
+    def load(cls, path: str, *, placement: str | None = None) -> Schedule:
         """A schedule from a ``.json`` (:meth:`to_dict`) or ``.csv`` (:meth:`to_csv`) file (UTF-8); a file that
-        cannot be read or holds no table raises :class:`ScheduleError` naming the file.
+        cannot be read or holds no table raises :class:`ScheduleError` naming the file. A JSON file says its
+        placement; ``placement`` gives a CSV table's (default ``"loop"``), and must agree with a JSON file's.
 
         >>> Schedule.load("no/such/table.csv")
         Traceback (most recent call last):
@@ -229,14 +272,20 @@ class Schedule:
             ) from None
         try:
             if not path.endswith(".json"):
-                return cls.from_csv(text, name=stem)
+                return cls.from_csv(text, name=stem, placement=placement or "loop")
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ScheduleError(f"not valid JSON ({e})") from None
             except RecursionError:
                 raise ScheduleError("not valid JSON (nested too deeply)") from None
-            return _from_dict(cls, data, where, stem)
+            table = _from_dict(cls, data, where, stem)
+            if placement is not None and table.placement != placement:
+                raise ScheduleError(
+                    f"placement is {table.placement!r} but {placement!r} was asked for; drop the placement "
+                    f"argument (a JSON file says its own)"
+                )
+            return table
         except ScheduleError as e:
             # The table's own errors name the schedule, not the file the user gave.
             raise ScheduleError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
@@ -244,7 +293,9 @@ class Schedule:
 
 def _from_dict(cls: type[Schedule], data: Any, where: str, name: str) -> Schedule:
     """:meth:`Schedule.from_dict` with the checks a file needs: each field's type, before any work."""
-    fields = "an object with microbatches and actions (and optionally name, stages, virtual), as Schedule.to_dict"
+    fields = (
+        "an object with microbatches and actions (and optionally name, stages, virtual, placement), as Schedule.to_dict"
+    )
     if not isinstance(data, Mapping):
         raise ScheduleError(f"{where}: expected {fields} writes; got {type(data).__name__} {_short(data)}")
     missing = [k for k in ("microbatches", "actions") if k not in data]
@@ -260,7 +311,10 @@ def _from_dict(cls: type[Schedule], data: Any, where: str, name: str) -> Schedul
     name = data.get("name", name)
     if not isinstance(name, str):
         raise ScheduleError(f"{where}: name must be a string, got {_short(name)}")
-    return cls(name, data["microbatches"], actions, data.get("virtual", 1))
+    placement = data.get("placement", "loop")
+    if not isinstance(placement, str):
+        raise ScheduleError(f"{where}: placement must be a string ('loop' or 'v'), got {_short(placement)}")
+    return cls(name, data["microbatches"], actions, data.get("virtual", 1), placement)
 
 
 def _is_list(value: Any) -> bool:
@@ -283,11 +337,11 @@ _NONE = -1
 def _backward_kinds(schedule: Schedule) -> dict[int, int]:
     """Per (global stage, microbatch), as ``stage · microbatches + microbatch``: the kind index that produces
     its input gradient, B's or BW's."""
-    p, m, out = schedule.stages, schedule.microbatches, {}
+    m, stage_of, out = schedule.microbatches, schedule.stage_of, {}
     for d, row in enumerate(schedule.actions):
         for kind, mb, c in row:
             if kind in ("B", "BW"):
-                out[(c * p + d) * m + mb] = _KIND_INDEX[kind]
+                out[stage_of(d, c) * m + mb] = _KIND_INDEX[kind]
     return out
 
 
@@ -297,6 +351,8 @@ def _keys_of(schedule: Schedule) -> Callable[[int, Action], tuple[int, int, int]
     a few times per action on tables of many thousand."""
     name, p, m, v = schedule.name, schedule.stages, schedule.microbatches, schedule.virtual
     grads, kinds, stride, last = _backward_kinds(schedule), _KIND_INDEX, 4 * m, 4 * m * (p * v - 1)
+    # Results are named by global stage, so the neighbours are stage ± 1 whatever the placement.
+    stage_of = [[schedule.stage_of(d, c) for c in range(v)] for d in range(p)]
 
     def keys(device: int, action: Action) -> tuple[int, int, int]:
         kind, mb, c = action
@@ -306,7 +362,7 @@ def _keys_of(schedule: Schedule) -> Callable[[int, Action], tuple[int, int, int]
                 f"schedule {name}: device {device}: {action.describe()} has an unknown kind or is out of range "
                 f"(microbatches={m}, virtual={v}); validate the schedule first"
             )
-        at = ((c * p + device) * m + mb) * 4  # F of this stage and microbatch
+        at = (stage_of[device][c] * m + mb) * 4  # F of this stage and microbatch
         if k == 0:  # F: the previous stage's F
             return at, _NONE, (at - stride if at >= stride else _NONE)
         if k == 2:  # W: its own B
@@ -570,6 +626,7 @@ class Timeline:
             "stages": self.schedule.stages,
             "microbatches": self.schedule.microbatches,
             "virtual": self.schedule.virtual,
+            "placement": self.schedule.placement,
             "costs": {k: float(getattr(self.costs, k)) for k in ("F", "B", "W", "BW", "comm")},
             "bubble_fraction": float(self.bubble_fraction),
             "makespan": float(self.makespan),
@@ -601,26 +658,87 @@ def simulate(
     """
     costs = costs or Costs()
     p, v = schedule.stages, schedule.virtual
-    factor = None if scale is None else [[_exact(x, "scale") for x in row] for row in scale]
-    if factor is not None and (len(factor) != p or any(len(row) != v for row in factor)):
-        raise ScheduleError(f"simulate: scale must give {v} factor(s) for each of the {p} devices")
-    unit, op, comm, scaled = _in_units(costs, v, factor)
+    unit, op, comm, scaled = _in_units(costs, v, _factors(scale, p, v, "simulate"))
     ends = {_NONE: 0}
     starts: list[list[int]] = [[] for _ in range(p)]
     finish: list[list[int]] = [[] for _ in range(p)]
     free = [0] * p
-    remote = comm if p > 1 else 0  # the neighbouring stage is on another device unless there is one device
+    # The device of each global stage: a neighbour's result costs comm only from another device (one device
+    # holds every stage; under the V, stages p − 1 and p share the last device).
+    device_of, stride = [schedule.where(s)[0] for s in range(p * v)], 4 * schedule.microbatches
     for d, a, key, same, other in _in_order(schedule):
-        start = max(free[d], ends[same], ends[other] + remote if other != _NONE else 0)
+        wait = 0 if other == _NONE else ends[other] + (comm if device_of[other // stride] != d else 0)
+        start = max(free[d], ends[same], wait)
         end = start + (op[a.kind] if scaled is None else scaled[d][a.chunk][a.kind])
         ends[key] = end
         starts[d].append(start)
         finish[d].append(end)
         free[d] = end
+    return _timeline(schedule, costs, unit, starts, finish)
+
+
+def _timeline(schedule: Schedule, costs: Costs, unit: int, starts: list[list[int]], ends: list[list[int]]) -> Timeline:
+    """A :class:`Timeline` from times in whole multiples of ``1/unit``."""
     # Times repeat across devices: one Fraction for each distinct time.
-    exact = {t: Fraction(t, unit) for t in {t for rows in (starts, finish) for row in rows for t in row}}
-    starts_, ends_ = (tuple(tuple(map(exact.__getitem__, row)) for row in rows) for rows in (starts, finish))
+    exact = {t: Fraction(t, unit) for t in {t for rows in (starts, ends) for row in rows for t in row}}
+    starts_, ends_ = (tuple(tuple(map(exact.__getitem__, row)) for row in rows) for rows in (starts, ends))
     return Timeline(schedule, costs, starts_, ends_)
+
+
+def _factors(scale: Sequence[Sequence[Real]] | None, p: int, v: int, api: str) -> list[list[Fraction]] | None:
+    factor = None if scale is None else [[_exact(x, "scale") for x in row] for row in scale]
+    if factor is not None and (len(factor) != p or any(len(row) != v for row in factor)):
+        raise ScheduleError(f"{api}: scale must give {v} factor(s) for each of the {p} devices")
+    return factor
+
+
+def tick_table(schedule: Schedule) -> list[list[Action | None]]:
+    """The table ``[tick][device]`` that a lock-step executor runs: every action (``BW`` too) takes one tick,
+    each device runs at most one action per tick, and an action runs in the first tick after the ones it needs
+    (:func:`simulate` with every op costing one tick, no comm; ``None`` where a device waits).
+
+    >>> import strategies
+    >>> s = strategies.pipeline_schedule("1f1b", stages=2, microbatches=2)
+    >>> [[str(a) if a else None for a in tick] for tick in tick_table(s)]
+    [['F0', None], ['F1', 'F0'], [None, 'BW0'], ['BW0', 'F1'], [None, 'BW1'], ['BW1', None]]
+    """
+    v = schedule.virtual  # a chunk's op costs 1/v of a stage's: scale so that every op takes one tick
+    return simulate(schedule, Costs(F=v, B=v, W=v, BW=v)).ticks()
+
+
+def simulate_lockstep(
+    schedule: Schedule, costs: Costs | None = None, *, scale: Sequence[Sequence[Real]] | None = None
+) -> Timeline:
+    """Times ``schedule`` as one SPMD program runs it, in lock-step on :func:`tick_table`'s grid: each tick lasts
+    as long as the dearest action any device runs in it (op times as in :func:`simulate`, ``scale[d][c]`` too),
+    plus ``costs.comm``. Every action starts when its tick does and ends after its own time, so the device that
+    runs a cheaper one waits out the rest of the tick (idle, bubble). The executor exchanges with both ring
+    neighbours after every tick, whether or not a device has a result to send, so comm is paid once per tick
+    (none on one device); the makespan ends with the last action, before the last tick's exchange. Never shorter
+    than :func:`simulate`'s timeline of the same costs: it is one of the timings that respect the same order.
+
+    >>> import strategies
+    >>> s = strategies.pipeline_schedule("1f1b", stages=2, microbatches=2)
+    >>> simulate_lockstep(s).makespan, simulate(s).makespan  # tick 3 pairs BW0 (2 units) with F1 (1)
+    (Fraction(10, 1), Fraction(9, 1))
+    """
+    costs = costs or Costs()
+    p, v = schedule.stages, schedule.virtual
+    unit, op, comm, scaled = _in_units(costs, v, _factors(scale, p, v, "simulate_lockstep"))
+    exchange = comm if p > 1 else 0
+    starts: list[list[int]] = [[] for _ in range(p)]
+    ends: list[list[int]] = [[] for _ in range(p)]
+    now = 0
+    for tick in tick_table(schedule):
+        longest = 0
+        for d, a in enumerate(tick):
+            if a is not None:
+                cost = op[a.kind] if scaled is None else scaled[d][a.chunk][a.kind]
+                starts[d].append(now)
+                ends[d].append(now + cost)
+                longest = max(longest, cost)
+        now += longest + exchange
+    return _timeline(schedule, costs, unit, starts, ends)
 
 
 def _in_units(

@@ -9,12 +9,25 @@ Fraction(1, 3)
 
 from spmd._gantt import COLORS, gantt_text, plot_gantt
 from spmd._pipeline import TICK_SCOPE, Pipeline, StagedModel, TickProgram, pipeline_executor, split_layers, tick_program
-from spmd._schedule import KINDS, Action, Costs, Schedule, ScheduleError, Timeline, simulate, validate
+from spmd._schedule import (
+    KINDS,
+    PLACEMENTS,
+    Action,
+    Costs,
+    Schedule,
+    ScheduleError,
+    Timeline,
+    simulate,
+    simulate_lockstep,
+    tick_table,
+    validate,
+)
 from spmd._specs import PipelineSpec
 
 __all__ = [
     "COLORS",
     "KINDS",
+    "PLACEMENTS",
     "TICK_SCOPE",
     "Action",
     "Costs",
@@ -29,7 +42,9 @@ __all__ = [
     "pipeline_executor",
     "plot_gantt",
     "simulate",
+    "simulate_lockstep",
     "split_layers",
     "tick_program",
+    "tick_table",
     "validate",
 ]

@@ -120,7 +120,7 @@ class PipelineOptions:
 
     schedule: Any = "1f1b"
     microbatches: int | None = None
-    virtual: int = 1
+    virtual: int | None = None  # None: the schedule's own (2 for zb-v, else 1)
     layers_per_stage: tuple[int, ...] | None = None
 
 

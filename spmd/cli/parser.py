@@ -169,7 +169,7 @@ def _pipeline_flags(p: argparse.ArgumentParser) -> None:
     schedules = ", ".join(strategies.SCHEDULES)
     p.add_argument("--schedule", default="1f1b", help=f"pipeline schedule: {schedules}, or a .json/.csv table")
     p.add_argument("--microbatches", type=int, help="microbatches per step (pp; default twice the stages)")
-    p.add_argument("--virtual", type=int, default=1, help="chunks per device (interleaved, bfs)")
+    p.add_argument("--virtual", type=int, help="chunks per device (interleaved, bfs; zb-v has 2; default 1)")
 
 
 def _run_flags(run: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import strategies
 from spmd.cli.common import console as make_console
 from spmd.cli.parser import UsageError
 from spmd.cli.setup import schedule_arg
-from spmd.pipeline import Costs, gantt_text, plot_gantt, simulate, validate
+from spmd.pipeline import Costs, Timeline, gantt_text, plot_gantt, simulate, simulate_lockstep, validate
 
 __all__ = ["command"]
 
@@ -35,6 +35,8 @@ def command(args: argparse.Namespace) -> int:
     else:
         validate(table)
     timeline = simulate(table, costs)
+    # With costs given, also as one SPMD program runs it: each tick as long as its dearest action.
+    lockstep = simulate_lockstep(table, costs) if args.costs else None
     if args.plot:
         import matplotlib
 
@@ -46,7 +48,10 @@ def command(args: argparse.Namespace) -> int:
         ax.figure.savefig(args.plot, dpi=120)
         plt.close(ax.figure)
     if args.json:
-        print(json.dumps(timeline.to_dict()))
+        out = timeline.to_dict()
+        if lockstep is not None:
+            out["lockstep"] = _figures(lockstep)
+        print(json.dumps(out))
         return 0
     console = make_console()
     s = timeline.schedule
@@ -67,4 +72,18 @@ def command(args: argparse.Namespace) -> int:
         f"({timeline.bubble_fraction}); busy per device {busy}; peak in flight {list(timeline.peak_inflight)}, "
         f"held until W {list(timeline.peak_held)}"
     )
+    if lockstep is not None:
+        console.print(
+            f"lock-step (one action per device per tick, each tick as long as its dearest action): makespan "
+            f"{float(lockstep.makespan):g}, bubble fraction {float(lockstep.bubble_fraction):.4f} "
+            f"({lockstep.bubble_fraction})"
+        )
     return 0
+
+
+def _figures(timeline: Timeline) -> dict[str, object]:
+    return {
+        "makespan": float(timeline.makespan),
+        "bubble_fraction": float(timeline.bubble_fraction),
+        "busy": [float(x) for x in timeline.busy],
+    }
