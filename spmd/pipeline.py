@@ -1,5 +1,5 @@
-"""Pipeline parallelism: schedules as data (the IR a strategy writes), their simulation and Gantt charts, and the
-engine that runs any valid schedule inside one SPMD program.
+"""Pipeline parallelism: schedules as data (the IR a strategy writes), their simulation and Gantt charts, the
+engine that runs any valid schedule inside one SPMD program, and a model's cut into stages from its parts.
 
 >>> from spmd import pipeline
 >>> s = pipeline.Schedule("mine", 2, (("F0", "F1", "BW0", "BW1"), ("F0", "BW0", "F1", "BW1")))
@@ -11,6 +11,7 @@ from spmd._gantt import COLORS, gantt_text, plot_gantt
 from spmd._pipeline import TICK_SCOPE, Pipeline, StagedModel, TickProgram, pipeline_executor, split_layers, tick_program
 from spmd._schedule import KINDS, Action, Costs, Schedule, ScheduleError, Timeline, simulate, validate
 from spmd._specs import PipelineSpec
+from spmd._staging import staged_from_parts, staged_loss
 
 __all__ = [
     "COLORS",
@@ -30,6 +31,8 @@ __all__ = [
     "plot_gantt",
     "simulate",
     "split_layers",
+    "staged_from_parts",
+    "staged_loss",
     "tick_program",
     "validate",
 ]
