@@ -1,5 +1,5 @@
-"""Pipeline parallelism: schedules as data (the IR a strategy writes), their simulation and Gantt charts, and the
-engine that runs any valid schedule inside one SPMD program.
+"""Pipeline parallelism: schedules as data (the IR a strategy writes), their simulation and Gantt charts, the
+engine that runs any valid schedule inside one SPMD program, and a model's cut into stages from its parts.
 
 >>> from spmd import pipeline
 >>> s = pipeline.Schedule("mine", 2, (("F0", "F1", "BW0", "BW1"), ("F0", "BW0", "F1", "BW1")))
@@ -23,6 +23,7 @@ from spmd._schedule import (
     validate,
 )
 from spmd._specs import PipelineSpec
+from spmd._staging import staged_from_parts, staged_loss
 
 __all__ = [
     "COLORS",
@@ -44,6 +45,8 @@ __all__ = [
     "simulate",
     "simulate_lockstep",
     "split_layers",
+    "staged_from_parts",
+    "staged_loss",
     "tick_program",
     "tick_table",
     "validate",
