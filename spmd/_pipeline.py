@@ -44,7 +44,14 @@ from spmd._rules import PlanError
 from spmd._schedule import ScheduleError, simulate
 from spmd._ticks import BW, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
 from spmd._tree import is_box, leaves_with_paths
-from spmd.costmodel import Contribution, Workload, data_parallel_traffic, pipeline_tick_bytes, pipeline_traffic
+from spmd.costmodel import (
+    Contribution,
+    Workload,
+    activation_bytes,
+    data_parallel_traffic,
+    pipeline_gathered_bytes,
+    pipeline_traffic,
+)
 
 if TYPE_CHECKING:
     from spmd._specs import PipelineSpec
@@ -55,6 +62,7 @@ __all__ = ["Pipeline", "StagedModel", "TickProgram", "pipeline_executor", "split
 TICK_SCOPE = "spmd_pipeline_tick"  # the tick's switch over idle, F, B, W, BW
 HEAD_SCOPE = "spmd_pipeline_head"  # F's loss and its gradient, on the last stage only
 EMBED_SCOPE = "spmd_pipeline_embed"  # the embedding's gradient, on the first stage only
+DEPTH_SCOPE = "spmd_pipeline_depth"  # the switch over stage depths, where stages hold different numbers of layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,11 +199,28 @@ class Pipeline:
         return np.asarray(codes).T
 
     @property
-    def branch_weights(self) -> tuple[float, ...]:
-        """The share of ticks in which a device takes each branch of the tick switch (idle, F, B, W, BW): the
-        same on every device, since each runs every microbatch of each of its chunks once."""
+    def branch_weights(self) -> dict[str, tuple[float, ...]]:
+        """How often each branch of the program's switches runs, on the average device: the tick's (idle, F, B,
+        W, BW; the same on every device, since each runs every microbatch of each of its chunks once), the
+        loss's and the embedding's (on one stage of ``p·v``) and the stage depths' (by their share of stages).
+
+        >>> import spmd, strategies
+        >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
+        >>> plan = strategies.pipeline("1f1b", stages=2, microbatches=4, layers_per_stage=(3, 1))
+        >>> weights = Pipeline(None, plan.execution, mesh, layers=4).branch_weights
+        >>> weights[TICK_SCOPE], weights[HEAD_SCOPE], weights[DEPTH_SCOPE]  # 4 F and 4 BW in 10 ticks
+        ((0.2, 0.4, 0.0, 0.0, 0.4), (0.5, 0.5), (0.5, 0.5))
+        """
         kinds = self.program.table[:, 0, 0]
-        return tuple(float(np.mean(kinds == code)) for code in (IDLE, F, B, W, BW))
+        stages = self.spec.schedule.total_stages
+        one_stage = (1 - 1 / stages, 1 / stages)  # a cond's branches: (false, true)
+        depths = tuple(self.placement.counts.count(k) / stages for k in self.placement.branches)
+        return {
+            TICK_SCOPE: tuple(float(np.mean(kinds == code)) for code in (IDLE, F, B, W, BW)),
+            HEAD_SCOPE: one_stage,
+            EMBED_SCOPE: one_stage,
+            DEPTH_SCOPE: depths,
+        }
 
     def _microbatches(self, batch: Any) -> Any:
         m = self.spec.schedule.microbatches
@@ -274,7 +299,10 @@ class Pipeline:
         """One :class:`~spmd._chunk.Chunk` per distinct stage depth, for a device's ``[chunk, layer, ...]``
         weights and a stage input ``x`` (arrays or abstract), under the plan's remat policy."""
         layer = self.remat.wrap(self.staged.layer) if self.remat else self.staged.layer
-        one = jax.tree.map(lambda a: a[0, 0], weights)
+        # A traced slice keeps the weights' types (their sharding on explicit axes); shapes do for the estimate.
+        one = jax.tree.map(
+            lambda a: a[0, 0] if isinstance(a, jax.Array) else jax.ShapeDtypeStruct(a.shape[2:], a.dtype), weights
+        )
         split = LayerVjp(layer, one, x)
         return [Chunk(split, count, self.placement.longest) for count in self.placement.branches]
 
@@ -301,7 +329,7 @@ class Pipeline:
             # Each device's loss is the mean over its own rows: the mean over all is their mean over data_axes.
             shards=math.prod(self.mesh.shape[a] for a in data_axes),
         )
-        n, chunk = self.program.slots, device.chunks[0]
+        n, chunk = self.program.slots + 1, device.chunks[0]  # the last slot is spare: what no slot keeps goes there
         # B hands values to W only in schedules that split the backward.
         split = any(a.kind == "W" for row in self.spec.schedule.actions for a in row)
         slots = _Slots(
@@ -322,74 +350,103 @@ class Pipeline:
         return loss, jax.tree.map(lambda g: g[None], grad_w), grad_outer, codes[None]
 
 
-def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tuple:
-    """One tick of one device: its action (a switch over idle, F, B, W, BW), the results it keeps, then the
-    ring exchanges."""
-    staged, p, m = engine.staged, engine.spec.schedule.stages, engine.spec.schedule.microbatches
-    slots, grad_w, grad_outer, loss = carry
-    field = dict(zip(FIELDS, (row[i] for i in range(len(FIELDS))), strict=True))
-    kind, chunk, slot, first, last = (field[k] for k in ("kind", "chunk", "slot", "first", "last"))
-    batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, field["microbatch"], 0, False), device.micro)
-    w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False), device.weights)
-    x_in, g_out, outer = slots.inputs[slot], slots.grads[slot], device.outer
-    kept, carried = (tuple(b[slot] for b in bufs) for bufs in (slots.kept, slots.carried))
-    by_depth = lambda name, *args: _by_depth(device.chunks, field["branch"], name, *args)  # noqa: E731
-    nothing = (jnp.zeros_like(x_in), _zeros(kept), _zeros(carried))
-    split = len(carried) == len(device.chunks[0].carried)  # slots for what B hands W: the schedule runs W
+class _Tick:
+    """The five branches of one tick of one device (idle, F, B, W, BW), each returning what the tick sends, what
+    its slot is to keep (F's residuals, B's values for W), the gradient and loss sums, and its code. Slots are
+    read inside the branch that reads them, so only that branch holds a copy."""
 
-    def add(grads: Any, d: Any) -> Any:
-        return jax.tree.map(jnp.add, grads, device.replicate(d))
-
-    def head(outer: Any, y: jax.Array) -> tuple:
-        # On the last stage F also makes the loss's gradient: its output gradient, kept for its own B.
-        loss, (d_outer, dy) = jax.value_and_grad(lambda o, y: staged.loss(o, y, batch) / (m * device.shards), (0, 1))(
-            outer, y
+    def __init__(self, engine: Pipeline, device: _Device, carry: tuple, field: dict[str, jax.Array]) -> None:
+        self.engine, self.device, self.field = engine, device, field
+        self.slots, self.grad_w, self.grad_outer, self.loss = carry
+        self.slot, self.chunk = field["slot"], field["chunk"]
+        self.batch = jax.tree.map(
+            lambda x: jax.lax.dynamic_index_in_dim(x, field["microbatch"], 0, False), device.micro
         )
-        return loss.astype(jnp.float32), d_outer, dy
+        self.w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.chunk, 0, False), device.weights)
+        self.split = bool(self.slots.carried)  # B hands values to W: the schedule runs W
+        shapes = (self.slots.inputs.shape[1:], self.slots.inputs.dtype)
+        self.nothing = (jnp.zeros(*shapes), _zeros_like(device.chunks[0].kept), _zeros_like(self._carried_shapes))
 
-    def embed_grad(outer: Any, dx: jax.Array) -> Any:
-        return jax.vjp(lambda o: staged.embed(o, batch), outer)[1](dx)[0]
+    @property
+    def _carried_shapes(self) -> tuple:
+        return self.device.chunks[0].carried if self.split else ()
 
-    def no(*args: Any) -> Any:
-        return jnp.zeros((), jnp.float32), _zeros(outer), jnp.zeros_like(x_in)
+    def _read(self, buffers: Any) -> Any:
+        return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, self.slot, 0, False), buffers)
 
-    def idle() -> tuple:
-        return (*nothing, grad_w, grad_outer, loss, IDLE)
+    def _by_depth(self, name: str, *args: Any) -> Any:
+        return _by_depth(self.device.chunks, self.field["branch"], name, *args)
 
-    def fwd() -> tuple:
-        y, new_kept = by_depth("forward", w, jnp.where(first, staged.embed(outer, batch), x_in))
+    def _add(self, grads: Any, d: Any) -> Any:
+        return jax.tree.map(jnp.add, grads, self.device.replicate(d))
+
+    def idle(self) -> tuple:
+        return (*self.nothing, self.grad_w, self.grad_outer, self.loss, IDLE)
+
+    def forward(self) -> tuple:
+        staged, outer, batch, last = self.engine.staged, self.device.outer, self.batch, self.field["last"]
+        x = jnp.where(self.field["first"], staged.embed(outer, batch), self._read(self.slots.inputs))
+        y, kept = self._by_depth("forward", self.w, x)
+        scale = self.engine.spec.schedule.microbatches * self.device.shards
+
+        def head(outer: Any, y: jax.Array) -> tuple:
+            # On the last stage F also makes the loss's gradient: its output gradient, kept for its own B.
+            loss, grads = jax.value_and_grad(lambda o, y: staged.loss(o, y, batch) / scale, (0, 1))(outer, y)
+            return loss.astype(jnp.float32), *grads
+
+        def no_head(outer: Any, y: jax.Array) -> tuple:
+            return jnp.zeros((), jnp.float32), _zeros_like(outer), jnp.zeros_like(y)
+
         with jax.named_scope(HEAD_SCOPE):
-            got, d_outer, dy = jax.lax.cond(last, head, no, outer, y)
-        return jnp.where(last, dy, y), new_kept, nothing[2], grad_w, add(grad_outer, d_outer), loss + got, F
+            loss, d_outer, dy = jax.lax.cond(last, head, no_head, outer, y)
+        grad_outer = self._add(self.grad_outer, d_outer)
+        return jnp.where(last, dy, y), kept, self.nothing[2], self.grad_w, grad_outer, self.loss + loss, F
 
-    def backward(dx: jax.Array, grads: Any) -> Any:
-        with jax.named_scope(EMBED_SCOPE):  # on the first stage, the input gradient is the embedding's
-            d_outer = jax.lax.cond(first, embed_grad, lambda o, _: _zeros(o), outer, dx)
-        return add(grads, d_outer)
+    def input_grad(self) -> tuple:
+        dx, carried = self._by_depth("input_grad", self.w, self._read(self.slots.kept), self._read(self.slots.grads))
+        handed = carried if self.split else ()
+        return dx, self.nothing[1], handed, self.grad_w, self._embedding(dx), self.loss, B
 
-    def input_grad() -> tuple:
-        dx, new_carried = by_depth("input_grad", w, kept, g_out)
-        return dx, nothing[1], new_carried if split else (), grad_w, backward(dx, grad_outer), loss, B
+    def weight_grad(self) -> tuple:
+        if not self.split:  # never taken: the schedule runs no W
+            return self.idle()
+        dw = self._by_depth("weight_grad", self.w, self._read(self.slots.kept), self._read(self.slots.carried))
+        return (*self.nothing, self._accumulate(dw), self.grad_outer, self.loss, W)
 
-    def weight_grad() -> tuple:
-        if not split:  # never taken: the schedule runs no W
-            return idle()
-        dw = by_depth("weight_grad", w, kept, carried)
-        return (*nothing, _accumulate(grad_w, chunk, dw), grad_outer, loss, W)
+    def both(self) -> tuple:
+        kept = self._read(self.slots.kept)
+        dx, carried = self._by_depth("input_grad", self.w, kept, self._read(self.slots.grads))
+        dw = self._by_depth("weight_grad", self.w, kept, carried)
+        return dx, *self.nothing[1:], self._accumulate(dw), self._embedding(dx), self.loss, BW
 
-    def both() -> tuple:
-        dx, handed = by_depth("input_grad", w, kept, g_out)
-        dw = by_depth("weight_grad", w, kept, handed)
-        return dx, *nothing[1:], _accumulate(grad_w, chunk, dw), backward(dx, grad_outer), loss, BW
+    def _embedding(self, dx: jax.Array) -> Any:
+        """The outer gradients plus, on the first stage, the embedding's: its input gradient is ``dx``."""
+        staged, batch = self.engine.staged, self.batch
 
+        def embed_grad(outer: Any, dx: jax.Array) -> Any:
+            return jax.vjp(lambda o: staged.embed(o, batch), outer)[1](dx)[0]
+
+        with jax.named_scope(EMBED_SCOPE):
+            d_outer = jax.lax.cond(self.field["first"], embed_grad, lambda o, _: _zeros_like(o), self.device.outer, dx)
+        return self._add(self.grad_outer, d_outer)
+
+    def _accumulate(self, dw: Any) -> Any:
+        return jax.tree.map(lambda acc, g: acc.at[self.chunk].add(g), self.grad_w, dw)
+
+
+def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tuple:
+    """One tick of one device: its action (a switch over idle, F, B, W, BW), what its slot keeps, then the
+    ring exchanges."""
+    field = dict(zip(FIELDS, (row[i] for i in range(len(FIELDS))), strict=True))
+    tick, kind, slot, p = _Tick(engine, device, carry, field), field["kind"], field["slot"], engine.spec.schedule.stages
     with jax.named_scope(TICK_SCOPE):  # lets the collective inventory weigh the branches by their use
-        msg, new_kept, new_carried, grad_w, grad_outer, loss, code = jax.lax.switch(
-            kind, [idle, fwd, input_grad, weight_grad, both]
+        msg, kept, carried, grad_w, grad_outer, loss, code = jax.lax.switch(
+            kind, [tick.idle, tick.forward, tick.input_grad, tick.weight_grad, tick.both]
         )
-    slots = slots._replace(
-        kept=tuple(_store(b, jnp.where(kind == F, slot, -1), v) for b, v in zip(slots.kept, new_kept, strict=True)),
+    slots = tick.slots._replace(
+        kept=tuple(_store(b, jnp.where(kind == F, slot, -1), v) for b, v in zip(tick.slots.kept, kept, strict=True)),
         carried=tuple(
-            _store(b, jnp.where(kind == B, slot, -1), v) for b, v in zip(slots.carried, new_carried, strict=True)
+            _store(b, jnp.where(kind == B, slot, -1), v) for b, v in zip(tick.slots.carried, carried, strict=True)
         ),
     )
     # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver keeps
@@ -411,21 +468,21 @@ def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tu
 def _by_depth(chunks: list[Chunk], branch: jax.Array, name: str, *args: Any) -> Any:
     """``chunk.name(*args)`` for the chunk of this stage's depth (a switch when stages differ in depth)."""
     fns = [getattr(c, name) for c in chunks]
-    return fns[0](*args) if len(fns) == 1 else jax.lax.switch(branch, fns, *args)
+    if len(fns) == 1:
+        return fns[0](*args)
+    with jax.named_scope(DEPTH_SCOPE):
+        return jax.lax.switch(branch, fns, *args)
 
 
-def _accumulate(grads: Any, chunk: jax.Array, dw: Any) -> Any:
-    return jax.tree.map(lambda acc, g: acc.at[chunk].add(g), grads, dw)
-
-
-def _zeros(tree: Any) -> Any:
-    return jax.tree.map(jnp.zeros_like, tree)
+def _zeros_like(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
-    """Writes ``value`` into ``buffer[slot]`` when ``slot >= 0``."""
-    i = jnp.maximum(slot, 0)
-    return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
+    """Writes ``value`` into ``buffer[slot]``, or into the buffer's last row, kept spare, when ``slot < 0``: one
+    update in place either way, with no copy of the slot to choose between the old value and the new."""
+    spare = buffer.shape[0] - 1
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), jnp.where(slot >= 0, slot, spare), 0)
 
 
 # ------------------------------------------------------------------------------------------------ the seam
@@ -462,7 +519,7 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
         to_model=engine.unstack,
         costs=functools.partial(_costs, engine, task.plan),
         summary=functools.partial(_summary, engine, task.plan),
-        branch_weights={TICK_SCOPE: engine.branch_weights},
+        branch_weights=engine.branch_weights,
         engine=engine,
     )
 
@@ -494,24 +551,62 @@ def _message_bytes(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any)
     return math.prod(message.shape) * np.dtype(message.dtype).itemsize // auto
 
 
+def _slot_bytes(
+    engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workload: Workload | None = None
+) -> tuple[dict[str, int], int]:
+    """Bytes of one slot on one device, by what it holds: the stage input and the output gradient (one message
+    each), what F keeps for the backward and what B hands to W (schedules that split the backward); and what
+    one chunk's backward makes of both, kept or not. Batch axes the program does not run manual over (FSDP's)
+    split them as they split the messages; model axes (tensor) split them as they split the layers' activations
+    in the cost model (given the ``workload``)."""
+    params = stored_abstract(layout.params)
+    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _get(params, engine.staged.layers_key))
+    chunk = engine.chunks(weights, engine.activation(params, batch))[-1]  # the deepest stage's
+    auto = math.prod(engine.mesh.shape[a] for a in plan.batch_axes if a not in engine.data_axes)
+    if workload is not None:
+        auto /= _model_axes_share(engine, plan, layout, workload)
+    message = _message_bytes(engine, plan, layout, batch)
+    split = any(a.kind == "W" for row in engine.spec.schedule.actions for a in row)
+    return {
+        "inputs": message,
+        "grads": message,
+        "kept": int(chunk.kept_bytes / auto),
+        "carried": int(chunk.carried_bytes / auto) if split else 0,
+    }, int((chunk.kept_bytes + chunk.carried_bytes) / auto)
+
+
+def _model_axes_share(engine: Pipeline, plan: Any, layout: StateLayout, workload: Workload) -> float:
+    """The share of the stacked layers' activations a device holds under the mesh's model axes (tensor), by the
+    cost model: its per-matmul estimate with them over the estimate with those axes of size 1."""
+    prefix = "/".join(engine.staged.layers_key) + "/"
+    rows = [r for r in layout.params.leaves if r.path.startswith(prefix)]
+    sizes, plain = dict(engine.mesh.shape), dataclasses.replace(plan, remat=Remat())
+    alone = {a: n if a in plan.batch_axes or a == engine.spec.axis else 1 for a, n in sizes.items()}
+    whole = activation_bytes(rows, plain, alone, workload)
+    return activation_bytes(rows, plain, sizes, workload) / whole if whole else 1.0
+
+
 def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workload: Workload) -> Contribution:
     """FSDP inside the stages gathers per action; every tick sends a stage input and an input gradient; the
-    parameters outside the stacked layers reduce over the stages once; the slots keep stage inputs and their
-    gradients while one tick's working set is live."""
+    parameters outside the stacked layers reduce over the stages once. Memory: the slots (see
+    :func:`_slot_bytes`) and one tick's working set."""
     sizes, schedule = dict(engine.mesh.shape), engine.spec.schedule
     message = _message_bytes(engine, plan, layout, batch)
     prefix = "/".join(engine.staged.layers_key) + "/"
     outer = sum(r.bytes_per_device for r in layout.params.leaves if not r.path.startswith(prefix))
     traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses())
     traffic += pipeline_traffic(engine.program.ticks, message, outer, engine.spec.axis, sizes)
-    micro = dataclasses.replace(workload, batch=workload.batch // schedule.microbatches)
-    tick = pipeline_tick_bytes(layout.params.leaves, plan, sizes, micro, schedule.virtual)
-    kept = 2 * engine.program.slots * message + int(tick)
-    return Contribution(tuple(traffic), kept, "stage inputs kept, one tick's working set")
+    slot, backward = _slot_bytes(engine, plan, layout, batch, workload)
+    # While a tick runs: the switch's outputs (F's residuals, B's values for W) and a branch's copy of what it
+    # reads of its slot, about twice what a chunk's backward uses; and the chunk's FSDP-gathered layers.
+    working = 2 * backward + pipeline_gathered_bytes(layout.params.leaves, plan, sizes) / schedule.virtual
+    kept = (engine.program.slots + 1) * sum(slot.values()) + int(working)  # the spare slot too
+    return Contribution(tuple(traffic), kept, "slots: stage inputs, gradients, residuals; one tick's working set")
 
 
 def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Summary:
-    pl = {**engine.figures(), "slot_bytes": _message_bytes(engine, plan, layout, batch)}
+    slot, _ = _slot_bytes(engine, plan, layout, batch)
+    pl = {**engine.figures(), "slot_bytes": slot["inputs"], "slot_parts": slot}
     text = (
         f"pipeline: {pl['schedule']} on {pl['stages']} stages × {pl['virtual']} chunk(s), "
         f"{pl['microbatches']} microbatches, layers per stage {pl['layers_per_stage']}; simulated bubble "

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd._schedule import Action, Costs, Schedule, ScheduleError, simulate
+from spmd._schedule import Action, Schedule, ScheduleError, tick_table
 
 __all__ = ["CODES", "FIELDS", "IDLE", "Placement", "TickProgram", "split_layers", "tick_program"]
 
@@ -137,11 +137,11 @@ def tick_program(schedule: Schedule, placement: Placement) -> TickProgram:
     >>> import strategies
     >>> s = strategies.pipeline_schedule("1f1b", stages=4, microbatches=8)
     >>> program = tick_program(s, Placement(s, (1, 1, 1, 1)))  # one layer per stage
+    >>> from spmd._schedule import simulate
     >>> program.ticks, program.slots, simulate(s).peak_inflight  # device 0 holds 4 microbatches at most
     (22, 4, (4, 3, 2, 1))
     """
-    v = schedule.virtual  # a chunk's op costs 1/v of a stage's: scale so that every op takes one tick
-    table = simulate(schedule, Costs(F=v, B=v, W=v, BW=v)).ticks()
+    table = tick_table(schedule)
     tick_of = {(d, a): t for t, row in enumerate(table) for d, a in enumerate(row) if a is not None}
     slot_of, slots = _slots(schedule, tick_of)
     out = np.zeros((len(table), schedule.stages, len(FIELDS)), np.int32)

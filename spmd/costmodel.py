@@ -89,7 +89,7 @@ __all__ = [
     "merge_traffic",
     "model_flops",
     "padding_bytes",
-    "pipeline_tick_bytes",
+    "pipeline_gathered_bytes",
     "pipeline_traffic",
     "step_time",
     "token_lookup",
@@ -609,29 +609,25 @@ def flops_per_device(
     return total
 
 
-def pipeline_tick_bytes(
-    params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int], microbatch: Workload, virtual: int
-) -> float:
-    """What one device holds while a pipeline tick differentiates one chunk for one microbatch: the chunk's
-    activations, all of them (its vjp keeps them; remat does not reach inside a tick), and its layers'
-    FSDP-gathered weights with their gradient. ``params``: the stored rows (``[stage, chunk, layer, ...]``
-    for the stacked layers); ``virtual``: chunks per device.
+def pipeline_gathered_bytes(params: Iterable[LeafLayout], plan: Plan, mesh_shape: Mapping[str, int]) -> float:
+    """The FSDP-gathered weights of one device's stacked layers (all its chunks) with their gradient: what a
+    pipeline tick holds while it differentiates a chunk. ``params``: the stored rows (``[stage, chunk, layer,
+    ...]`` for the stacked layers).
 
     >>> import spmd, numpy as np
     >>> from flax import linen as nn
-    >>> rows = spmd.Plan().resolve({"wi": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 32)), ("embed", "mlp"))}})
-    >>> pipeline_tick_bytes(rows.leaves, spmd.Plan(), {}, Workload(1, 16), virtual=2)  # activation_bytes / 2 chunks
-    1280.0
+    >>> box = nn.LogicallyPartitioned(np.zeros((2, 1, 4, 64, 64), np.float32), ("stage", "chunk", "layers", "embed", "mlp"))
+    >>> plan = spmd.Plan(rules=(("embed", "fsdp"), ("stage", "stage")), batch_axes=("fsdp",))
+    >>> pipeline_gathered_bytes(plan.resolve({"w": box}, {"stage": 2, "fsdp": 4}).leaves, plan, {"stage": 2, "fsdp": 4})
+    131072
     """
-    params = list(params)
-    acts = activation_bytes(params, dataclasses.replace(plan, remat=False), mesh_shape, microbatch)
     batch = set(plan.batch_axes)
     gathered = sum(
         row.bytes_per_device * math.prod(mesh_shape[a] for a in _axes(row) & batch)
         for row in params
         if row.names and row.names[0] == A.STAGE and _axes(row) & batch
     )
-    return (acts + 2 * gathered) / virtual
+    return 2 * gathered
 
 
 def activation_bytes(

@@ -214,14 +214,6 @@ def pipeline(
     )
     if table.stages != stages:
         raise ScheduleError(f"schedule {table.name} has {table.stages} devices, but the pipeline has {stages} stages")
-    if table.placement != "loop":
-        # The executor passes activations forward along the ring (d to d + 1) and gradients back: a V needs
-        # both directions per chunk, and run on the ring it would train a different model, silently.
-        raise ScheduleError(
-            f"pipeline: schedule {table.name} has placement {table.placement!r} (its stages in a V), which the "
-            f"pipeline executor does not run; simulate it with `spmd schedule --schedule {table.name}`, and train "
-            f"with zb-h1 or zb-h2"
-        )
     counts = None if layers_per_stage is None else tuple(layers_per_stage)
     # The stacked layers are stored [stage, chunk, layer, ...]; the spec maps their leading dimension to the axis.
     return Plan(execution=PipelineSpec(axis=axis, schedule=table, layers_per_stage=counts))

@@ -11,8 +11,10 @@ import pytest
 import spmd
 import strategies
 from spmd import costmodel, data, models
+from spmd._hlo import matmul_flops
+from spmd._pipeline import EMBED_SCOPE, HEAD_SCOPE, TICK_SCOPE
 from spmd._ticks import CODES, FIELDS, IDLE, Placement
-from spmd.pipeline import Costs, ScheduleError, simulate, tick_program
+from spmd.pipeline import Costs, ScheduleError, simulate, simulate_lockstep, tick_program
 from tests.conftest import assert_trees_close, run_cli, train_steps
 
 STEPS, BATCH, LAYERS = 2, 16, 8
@@ -20,9 +22,9 @@ MESHES = {
     "stage4xdata2": ({"stage": 4, "data": 2}, "dp", 8),
     "stage2xfsdp2xtensor2": ({"stage": 2, "fsdp": 2, "tensor": 2}, "fsdp+tp", 4),
 }
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bfs", 2), ("zb-h1", 1), ("zb-h2", 1)]
-# The default tier runs 1F1B and ZB-H1 on the first mesh; the slow tier the rest: every schedule runs on both.
-DEFAULT = {("stage4xdata2", name) for name in ("1f1b", "zb-h1")}
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bfs", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)]
+# The default tier runs 1F1B, ZB-H1 and ZB-V on the first mesh; the slow tier the rest: every schedule runs on both.
+DEFAULT = {("stage4xdata2", name) for name in ("1f1b", "zb-h1", "zb-v")}
 CASES = [
     pytest.param(mesh, name, v, marks=() if (mesh, name) in DEFAULT else (pytest.mark.slow,), id=f"{mesh}-{name}")
     for mesh in MESHES
@@ -84,7 +86,11 @@ def test_pipelined_training_equals_the_unpipelined_model(runs, reference, mesh, 
 
 @pytest.mark.parametrize(
     "mesh,name,virtual",
-    [("stage4xdata2", "zb-h1", 1), pytest.param("stage2xfsdp2xtensor2", "interleaved", 2, marks=pytest.mark.slow)],
+    [
+        ("stage4xdata2", "zb-h1", 1),
+        ("stage4xdata2", "zb-v", 2),
+        pytest.param("stage2xfsdp2xtensor2", "interleaved", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     _, state, step = runs(mesh, name, virtual)
@@ -97,6 +103,54 @@ def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     expected = np.array([[IDLE if a is None else codes[a.kind] for a in row] for row in ticks])
     np.testing.assert_array_equal(executed, expected)
     assert engine.program.actions() == [[str(a) if a else None for a in row] for row in ticks]
+    # Each device's idle ticks inside its span are the lock-step simulation's idle time at one tick per action.
+    lockstep = simulate_lockstep(schedule, Costs(F=virtual, B=virtual, W=virtual, BW=virtual))
+    busy = [np.flatnonzero(column != IDLE) for column in executed.T]
+    idle = [int(np.sum(column[b[0] : b[-1] + 1] == IDLE)) for column, b in zip(executed.T, busy, strict=True)]
+    assert idle == [int(i) for i in lockstep.idle] and lockstep.makespan == len(executed)
+
+
+def _branch_flops(step, batch):
+    """Compiled matmul FLOPs of one run of each tick-switch branch (F, B, W, BW) on a stage without the loss or
+    the embedding: the program counted with each branch run once per tick, less the program with none."""
+    text, engine = step.compile(batch).as_text(), step.executor.engine
+    weights = {**engine.branch_weights, HEAD_SCOPE: (1, 0), EMBED_SCOPE: (1, 0)}
+
+    def program(branch):
+        tick = tuple(float(k == branch) for k in range(5))
+        return matmul_flops(text, branch_weights={**weights, TICK_SCOPE: tick})
+
+    none = program(None)
+    return {kind: (program(CODES[kind]) - none) / engine.program.ticks for kind in CODES}
+
+
+@pytest.mark.parametrize("mesh,name,virtual", CASES)
+def test_no_action_computes_a_forward_again(runs, mesh, name, virtual):
+    # The zero-bubble papers' costs: B and W each about one forward, B + W one backward. B carries attention's
+    # backward (its matmuls have no weights), so it is a little above one forward and W a little below.
+    _, _, step = runs(mesh, name, virtual)
+    batch = data.batch(0, 0, BATCH, 32, 256)
+    flops = _branch_flops(step, batch)
+    assert 0.8 <= flops["B"] / flops["F"] <= 1.25 and 1.8 <= flops["BW"] / flops["F"] <= 2.25, flops
+    if any(a.kind == "W" for row in step.plan.execution.schedule.actions for a in row):
+        assert 0.8 <= flops["W"] / flops["F"] <= 1.25, flops
+    else:  # a schedule without W keeps nothing for one: its W branch is never taken and does nothing
+        assert flops["W"] == 0, flops
+    # What the slots keep (inputs, output gradients, residuals, what B hands W) at the schedule's peak, and
+    # one tick's working set, is what the compiled program holds.
+    report = spmd.report(step, batch)
+    temp = report.compiled_memory["temp_bytes"] / report.analytic_memory["temp_bytes"]
+    assert 0.8 <= temp <= 1.25, (temp, report.execution.figures["slot_parts"])
+
+
+def test_a_pipeline_does_a_data_parallel_steps_matmul_work(runs):
+    # On the average device (the loss on one stage in four), pp+dp's compiled matmul FLOPs are data
+    # parallelism's over the same 8 devices, model and batch: nothing is computed twice.
+    _, _, step = runs("stage4xdata2", "zb-h1", 1)
+    batch = data.batch(0, 0, BATCH, 32, 256)
+    dp = _train(strategies.data_parallel(), spmd.make_mesh({"data": 8}))[2]
+    piped, plain = spmd.report(step, batch), spmd.report(dp, batch)
+    assert 0.95 <= piped.compiled_flops / plain.compiled_flops <= 1.05, (piped.compiled_flops, plain.compiled_flops)
 
 
 def test_an_nnx_model_pipelines_like_its_unpipelined_self():
@@ -212,14 +266,14 @@ def test_report_counts_fsdp_inside_the_stages():
     comm = report.comm_bytes_per_step
     assert comm["compiled"] == pytest.approx(comm["analytic"], rel=0.1)
     assert not [w for w in report.warnings if w.startswith("collective traffic")]
-    # Memory: the kept stage inputs and their gradients, and one tick's working set (a chunk's activations for
-    # one microbatch, its gathered layers and their gradient), which dominates at this size (6× without it).
-    tick = costmodel.pipeline_tick_bytes(
-        step.layout.params.leaves, plan, mesh_axes, costmodel.Workload(batch=BATCH // 4, seq_len=32), 1
-    )
-    slots = 2 * pipeline["slots"] * pipeline["slot_bytes"]
-    assert tick > 2 * stack and report.analytic_memory["activation_bytes"] == slots + int(tick)
-    assert report.compiled_memory["temp_bytes"] <= 2 * report.analytic_memory["temp_bytes"]
+    # Memory: every slot (the spare one too) with what it keeps, and one tick's working set: about twice what a
+    # chunk's backward uses, and the chunk's gathered layers with their gradient.
+    parts = pipeline["slot_parts"]
+    gathered = costmodel.pipeline_gathered_bytes(step.layout.params.leaves, plan, mesh_axes)
+    assert gathered == 2 * stack and parts["carried"] == 0 and parts["kept"] > 10 * parts["inputs"]
+    slots = (pipeline["slots"] + 1) * sum(parts.values())
+    assert slots + gathered + 2 * parts["kept"] < report.analytic_memory["activation_bytes"]
+    assert 0.8 <= report.compiled_memory["temp_bytes"] / report.analytic_memory["temp_bytes"] <= 1.25
 
 
 def test_cli_run_pipelined_check(capsys):

@@ -343,12 +343,11 @@ def test_zero_bubble_v_below_its_warm_up(p):
         assert max(t.peak_inflight) <= 2 * p
 
 
-def test_zero_bubble_v_is_always_two_chunks_and_not_run_by_the_executor():
+def test_zero_bubble_v_is_always_two_chunks():
     with pytest.raises(ScheduleError, match=r"zb-v places exactly two chunks .* virtual is 2, got 3; leave --virtual"):
         strategies.pipeline_schedule("zb-v", stages=4, microbatches=8, virtual=3)
     assert strategies.pipeline_schedule("zb-v", stages=4, microbatches=8, virtual=2).virtual == 2
-    with pytest.raises(ScheduleError, match=r"placement 'v' .* the pipeline executor does not run; simulate it"):
-        strategies.pipeline("zb-v", stages=4, microbatches=8)
+    assert strategies.pipeline("zb-v", stages=4, microbatches=8).execution.schedule.placement == "v"
 
 
 def test_cli_zero_bubble_v_beats_zb_h1(capsys):
@@ -358,8 +357,6 @@ def test_cli_zero_bubble_v_beats_zb_h1(capsys):
     assert j["peak_inflight"] == [8, 8, 8, 8] and "lockstep" not in j
     code, _, err = run_cli(capsys, "schedule", "--schedule", "zb-v", "--virtual", "3")
     assert code == 2 and "leave --virtual out" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run_cli(capsys, "plan", "--mesh", "stage=4,data=2", "--strategy", "pp", "--schedule", "zb-v")
-    assert code == 2 and "the pipeline executor does not run" in err and len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------------------- lock-step
