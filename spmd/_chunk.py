@@ -28,8 +28,8 @@ class Chunk:
     >>> w, x = jnp.ones((3, 4, 4)) / 4, jnp.ones((2, 4))  # three stacked layers
     >>> chunk = Chunk(LayerVjp(layer, w[0], x), count=2, longest=3)
     >>> y, kept = jax.jit(chunk.forward)(w, x)
-    >>> [k.shape for k in kept], chunk.kept_bytes  # per layer: the input and tanh's derivative
-    ([(3, 2, 4), (3, 2, 4)], 192)
+    >>> [k.shape for k in kept], chunk.kept_bytes  # per layer: the input, tanh's output and its derivative
+    ([(3, 2, 4), (3, 2, 4), (3, 2, 4)], 288)
     >>> dx, carried = jax.jit(chunk.input_grad)(w, kept, jnp.ones_like(y))
     >>> dw = jax.jit(chunk.weight_grad)(w, kept, carried)
     >>> want = jax.grad(lambda w, x: jnp.tanh(jnp.tanh(x @ w[0]) @ w[1]).sum(), argnums=(0, 1))(w, x)

@@ -41,7 +41,7 @@ from spmd._remat import Remat
 from spmd._residuals import LayerVjp
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
-from spmd._schedule import ScheduleError, simulate
+from spmd._schedule import ScheduleError, simulate, simulate_lockstep
 from spmd._ticks import BW, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
 from spmd._tree import is_box, leaves_with_paths
 from spmd.costmodel import (
@@ -261,9 +261,10 @@ class Pipeline:
         return len(actions) / s.virtual, grads / s.virtual
 
     def figures(self) -> dict[str, Any]:
-        """The schedule's figures: simulated with unit op costs, and as the executor runs it."""
+        """The schedule's figures: simulated with unit op costs (F = B = W, what the executor's actions cost: no
+        action runs a forward again), asynchronously and in lock-step as the executor runs it, in ticks."""
         s = self.spec.schedule
-        timeline = simulate(s)
+        timeline, lockstep = simulate(s), simulate_lockstep(s)
         return {
             "schedule": s.name,
             "stages": s.stages,
@@ -271,6 +272,9 @@ class Pipeline:
             "virtual": s.virtual,
             "layers_per_stage": list(self.placement.counts),
             "bubble_fraction": float(timeline.bubble_fraction),
+            "makespan": float(timeline.makespan),
+            "lockstep_bubble_fraction": float(lockstep.bubble_fraction),
+            "lockstep_makespan": float(lockstep.makespan),
             "peak_inflight": list(timeline.peak_inflight),
             "peak_held": list(timeline.peak_held),
             "ticks": self.program.ticks,
@@ -601,7 +605,11 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     # reads of its slot, about twice what a chunk's backward uses; and the chunk's FSDP-gathered layers.
     working = 2 * backward + pipeline_gathered_bytes(layout.params.leaves, plan, sizes) / schedule.virtual
     kept = (engine.program.slots + 1) * sum(slot.values()) + int(working)  # the spare slot too
-    return Contribution(tuple(traffic), kept, "slots: stage inputs, gradients, residuals; one tick's working set")
+    # The executor runs in lock-step: each tick lasts as long as its dearest action (F, B and W cost alike).
+    lockstep = simulate_lockstep(schedule)
+    bubble = float(lockstep.makespan / max(lockstep.busy))
+    note = "slots: stage inputs, gradients, residuals; one tick's working set"
+    return Contribution(tuple(traffic), kept, note, compute_factor=bubble)
 
 
 def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Summary:
@@ -610,7 +618,8 @@ def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Su
     text = (
         f"pipeline: {pl['schedule']} on {pl['stages']} stages × {pl['virtual']} chunk(s), "
         f"{pl['microbatches']} microbatches, layers per stage {pl['layers_per_stage']}; simulated bubble "
-        f"{pl['bubble_fraction']:.3f}, peak in flight {pl['peak_inflight']}, held until W {pl['peak_held']}; "
+        f"{pl['bubble_fraction']:.3f} (lock-step, as executed: {pl['lockstep_bubble_fraction']:.3f}), peak in "
+        f"flight {pl['peak_inflight']}, held until W {pl['peak_held']}; "
         f"executed in {pl['ticks']} ticks with {pl['slots']} input slots of "
         f"{format_bytes(pl['slot_bytes'])} per device"
     )

@@ -614,11 +614,12 @@ def pipeline_gathered_bytes(params: Iterable[LeafLayout], plan: Plan, mesh_shape
     pipeline tick holds while it differentiates a chunk. ``params``: the stored rows (``[stage, chunk, layer,
     ...]`` for the stacked layers).
 
-    >>> import spmd, numpy as np
+    >>> import numpy as np, strategies
     >>> from flax import linen as nn
-    >>> box = nn.LogicallyPartitioned(np.zeros((2, 1, 4, 64, 64), np.float32), ("stage", "chunk", "layers", "embed", "mlp"))
-    >>> plan = spmd.Plan(rules=(("embed", "fsdp"), ("stage", "stage")), batch_axes=("fsdp",))
-    >>> pipeline_gathered_bytes(plan.resolve({"w": box}, {"stage": 2, "fsdp": 4}).leaves, plan, {"stage": 2, "fsdp": 4})
+    >>> names = ("stage", "chunk", "layers", "embed", "mlp")
+    >>> box = nn.LogicallyPartitioned(np.zeros((1, 1, 4, 64, 64), np.float32), names)
+    >>> plan, mesh = strategies.fsdp(min_bytes=0), {"fsdp": 4}
+    >>> pipeline_gathered_bytes(plan.resolve({"w": box}, mesh).leaves, plan, mesh)  # 4 layers of 64·64 f32, twice
     131072
     """
     batch = set(plan.batch_axes)
@@ -762,7 +763,8 @@ class Contribution:
     ``traffic``: the collectives that move parameters and gradients, replacing data parallelism's reductions and
     gathers (:func:`data_parallel_traffic`); the activations' traffic is added to it either way. ``activation_bytes``:
     what a device keeps for the backward pass, replacing :func:`activation_bytes`, with ``activation_note`` naming
-    it in the report.
+    it in the report. ``compute_factor``: the step's compute time over a device's own compute (a pipeline's
+    makespan over its busy time: the bubble).
 
     >>> Contribution().traffic is None
     True
@@ -771,6 +773,7 @@ class Contribution:
     traffic: tuple[Traffic, ...] | None = None
     activation_bytes: float | None = None
     activation_note: str = "activations kept for backward"
+    compute_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -911,13 +914,15 @@ def estimate_layout(
         host = state["optimizer"]
         state = state | {"optimizer": 0, "total": state["total"] - host, "host_optimizer": host}
     streamed = host_traffic(host)
+    time = step_time(flops, (*moved, *streamed), hardware, mesh_shape)
+    time = dataclasses.replace(time, compute_s=time.compute_s * contribution.compute_factor)
     return Estimate(
         per_device_bytes=state,
         activation_bytes=int(kept),
         padding_bytes=padding_bytes(layout),
         traffic=moved,
         flops=flops,
-        time=step_time(flops, (*moved, *streamed), hardware, mesh_shape),
+        time=time,
         activation_note=contribution.activation_note,
         host_bytes=host,
         host_traffic=streamed,

@@ -220,7 +220,8 @@ def test_input_slots_are_never_overwritten_while_needed(name, p, m, v):
 
 def test_report_counts_the_pipeline_exchanges(runs):
     _, _, step = runs("stage4xdata2", "zb-h1", 1)
-    report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
+    batch = data.batch(0, 0, BATCH, 32, 256)
+    report = spmd.report(step, batch)
     assert report.execution.kind == "pipeline"
     pipeline = report.execution.figures
     comm = report.comm_bytes_per_step
@@ -231,6 +232,10 @@ def test_report_counts_the_pipeline_exchanges(runs):
     # Data parallelism inside the pipeline reduces the stage's gradients once per step, not once per W.
     assert kinds["all-reduce", ("data",)].count == 1
     assert pipeline["bubble_fraction"] == pytest.approx(3 / 27) and pipeline["slots"] >= 4
+    # The modelled step runs in lock-step: 27 ticks for 24 actions (F = B = W, as the executor's cost alike).
+    assert pipeline["lockstep_makespan"] == 27 and pipeline["lockstep_bubble_fraction"] == pytest.approx(3 / 27)
+    workload = costmodel.Workload(batch=BATCH, seq_len=32)
+    assert step.executor.costs(step.layout, batch, workload).compute_factor == pytest.approx(27 / 24)
     assert "pipeline: zb-h1 on 4 stages" in str(report)
 
 
