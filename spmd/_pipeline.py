@@ -508,7 +508,15 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
     if task.staged is None:
         raise PlanError(
             f"the plan runs a pipeline ({spec.describe()}), which needs the model cut into stages: "
-            f"pass staged=model.staged (the built-in GPTs have one; see spmd.pipeline.StagedModel for your own)"
+            "pass staged=model.staged (the built-in GPTs have one; cut your own with "
+            "spmd.pipeline.staged_from_parts, or write a spmd.pipeline.StagedModel)"
+        )
+    if task.plan.remat.kind == "offload":
+        # The slots would have to live in host memory as the residuals do; they are device buffers.
+        raise PlanError(
+            f"the plan runs a pipeline ({spec.describe()}) with activations offloaded to the host "
+            f"({task.plan.remat.describe()}), which its slots do not hold yet; keep them on the device (drop "
+            "--offload activations) or keep fewer of them (--remat dots or --remat full)"
         )
     layers = _layers(task.params, task.staged)
     stacked = Pipeline(task.staged, spec, task.mesh, layers).stack(task.params)

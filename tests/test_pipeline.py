@@ -306,6 +306,10 @@ def test_cli_run_pipelined_check(capsys):
         ),
         (["--mesh", "stage=4,data=2", "--strategy", "pp", "--virtual", "2"], r"for --virtual 2 use interleaved or bfs"),
         (["--mesh", "stage=4,data=2", "--strategy", "pp", "--layers-per-stage", "a"], r"give one count per global"),
+        (
+            ["--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--offload", "activations"],
+            r"activations offloaded to the host .* which its slots do not hold yet; keep them on the device",
+        ),
     ],
 )
 def test_cli_pipeline_mistakes(capsys, args, message):
