@@ -1,16 +1,20 @@
-"""Pipeline schedules: what the executor runs against what the simulator predicts, in one run.
+"""Pipeline schedules: what the executor runs against what the simulator and the cost model predict, in one run.
 
-    python benchmarks/pipeline.py [--schedules gpipe,1f1b,interleaved,bfs,zb-h1,zb-h2] [--batch-size 64]
+    python benchmarks/pipeline.py [--schedules gpipe,1f1b,interleaved,bfs,zb-h1,zb-h2,zb-v] [--batch-size 64]
 
 gpt-tiny (8 layers) on stage=4 × data=2, 8 microbatches. For each schedule:
 
 - idle ticks: the compiled program runs the schedule and reports, per tick, which branch each device took; a
-  device's idle ticks inside its own span are counted from that record and set against the simulator's (every
-  op one tick), device by device;
-- residual memory: the step is compiled at two batch sizes; the growth of ``memory_analysis()``'s temporaries
-  is the memory that scales with activations: one tick's working set (the same for every schedule with the same
-  number of chunks) plus the input slots. Against a reference schedule, the difference in growth is set
-  against the difference in slots times the slot's growth; the slots against the simulator's peaks.
+  device's idle ticks inside its own span are counted from that record and set against the lock-step
+  simulation's (every action one tick), device by device;
+- matmul work: the compiled program's matmul FLOPs per device against a data-parallel step's on data=8 (same
+  model and batch): a pipeline computes nothing twice; and, per run of each tick-switch branch, B, W and BW
+  against F (the backward split in two halves of about one forward each, BW a whole backward);
+- memory: the compiled temporaries against the report's analytic temporaries (the slots at the schedule's peak,
+  each keeping an input, its gradient, the layers' residuals and what B hands W, plus one tick's working set);
+- time: the report's modelled step time (compute times the lock-step makespan over the busy time, plus
+  communication) against 1F1B's (or the first schedule's, when 1F1B is not run). Modelled, not measured: wall
+  time on emulated CPU devices says nothing about an accelerator.
 """
 
 from __future__ import annotations
@@ -20,12 +24,30 @@ import argparse
 import spmd
 
 MESH = {"stage": 4, "data": 2}
-VIRTUAL = {"interleaved": 2, "bfs": 2}
+VIRTUAL = {"interleaved": 2, "bfs": 2, "zb-v": 2}
+
+
+def branch_flops(step: spmd.TrainStep, batch: dict) -> dict[str, float]:
+    """Compiled matmul FLOPs of one run of each tick-switch branch (F, B, W, BW) on a stage without the loss or
+    the embedding: the program counted with each branch run once per tick, less the program with none."""
+    from spmd._hlo import matmul_flops
+    from spmd._pipeline import EMBED_SCOPE, HEAD_SCOPE, TICK_SCOPE
+    from spmd._ticks import CODES
+
+    text, engine = step.compile(batch).as_text(), step.executor.engine
+    weights = {**engine.branch_weights, HEAD_SCOPE: (1, 0), EMBED_SCOPE: (1, 0)}
+
+    def program(branch: int | None) -> float:
+        tick = tuple(float(k == branch) for k in range(5))
+        return matmul_flops(text, branch_weights={**weights, TICK_SCOPE: tick})
+
+    none = program(None)
+    return {kind: (program(CODES[kind]) - none) / engine.program.ticks for kind in CODES}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,bfs,zb-h1,zb-h2")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,bfs,zb-h1,zb-h2,zb-v")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()
@@ -39,93 +61,88 @@ def main() -> None:
 
     import strategies
     from spmd import data, models
-    from spmd.pipeline import Costs, simulate
+    from spmd.pipeline import Costs, simulate_lockstep
 
     model = models.get("gpt-tiny", layers=8)
-    mesh = spmd.make_mesh(MESH)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
+    batch = data.batch(0, 0, args.batch_size, model.config.seq_len, model.config.vocab)
 
-    def step_for(name: str) -> spmd.TrainStep:
-        options = strategies.PipelineOptions(name, args.microbatches, VIRTUAL.get(name, 1))
-        plan = strategies.from_names("pp+dp", MESH, pipeline_options=options)
+    def step_on(plan: spmd.Plan, axes: dict) -> spmd.TrainStep:
+        mesh = spmd.make_mesh(axes)
         return spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=abstract, staged=model.staged)
 
-    def batch(size: int) -> dict:
-        return data.batch(0, 0, size, model.config.seq_len, model.config.vocab)
-
-    rows, growth, input_bytes = [], {}, 0
+    dp = spmd.report(step_on(strategies.data_parallel(), {"data": 8}), batch)
+    rows = []
     for name in args.schedules.split(","):
-        step = step_for(name)
+        options = strategies.PipelineOptions(name, args.microbatches, VIRTUAL.get(name, 1))
+        step = step_on(strategies.from_names("pp+dp", MESH, pipeline_options=options), MESH)
         state = step.init(model.init, jax.random.key(0))
-        engine = step.executor.engine
-        schedule = step.plan.execution.schedule
+        engine, schedule = step.executor.engine, step.plan.execution.schedule
         v = schedule.virtual
-        # Executed: the branch each device's switch took at each tick.
-        codes = engine.executed(state.params, batch(args.batch_size))
-        executed_idle = []
+        codes = engine.executed(state.params, batch)  # the branch each device's switch took at each tick
+        executed = []
         for d in range(schedule.stages):
             busy = np.flatnonzero(codes[:, d])
-            executed_idle.append(int(busy[-1] - busy[0] + 1 - len(busy)))
-        simulated = simulate(schedule, Costs(F=v, B=v, W=v, BW=v))
-        simulated_idle = [int(x) for x in simulated.idle]
-        # Memory that grows with the activations: temporaries at twice the batch minus at the batch.
-        temps = [
-            step.compile(batch(size)).memory_analysis().temp_size_in_bytes
-            for size in (args.batch_size, 2 * args.batch_size)
-        ]
-        growth[name] = temps[1] - temps[0]
-        x = engine.activation(state.params, batch(args.batch_size))
-        input_bytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize  # doubles with the batch
-        rows.append((name, v, executed_idle, simulated_idle, simulated, engine.program.slots))
+            executed.append(int(busy[-1] - busy[0] + 1 - len(busy)))
+        lockstep = simulate_lockstep(schedule, Costs(F=v, B=v, W=v, BW=v))
+        report = spmd.report(step, batch)
+        idle = [int(x) for x in lockstep.idle]
+        rows.append((name, v, executed, idle, report, branch_flops(step, batch), engine.program.slots))
 
+    reference = next((r[4] for r in rows if r[0] == "1f1b"), rows[0][4])
+    ref_name = next((r[0] for r in rows if r[4] is reference), "")
     table = Table(
-        title=f"gpt-tiny on stage=4 × data=2, {args.microbatches} microbatches: executed vs simulated",
+        title=f"gpt-tiny (8 layers) on stage=4 × data=2, {args.microbatches} microbatches, batch "
+        f"{args.batch_size}: executed vs simulated and modelled",
         title_justify="left",
     )
     columns = (
         "schedule",
         "idle ticks per device: executed",
-        "simulated",
+        "lock-step simulated",
         "executed / simulated",
-        "peak in flight",
-        "peak held",
+        "FLOPs / dp",
+        "B/F",
+        "W/F",
+        "BW/F",
+        "temp: compiled",
+        "analytic",
+        "compiled / analytic",
         "slots",
-        "temp growth ×2 batch",
-        "Δ vs reference: compiled",
-        "Δ slots × 2 inputs",
-        "ratio",
+        "lock-step bubble",
+        f"modelled step / {ref_name}",
     )
     for col in columns:
         table.add_column(col, justify="left" if col == "schedule" else "right")
-    # Each slot keeps a stage input and its gradient: doubling the batch grows it by twice the input's bytes.
-    per_slot = 2 * input_bytes
-    reference: dict[int, tuple[str, int]] = {}
-    for name, v, executed_idle, simulated_idle, timeline, slots in rows:
-        ref_name, ref_slots = reference.setdefault(v, (name, slots))
+    for name, v, executed, simulated, report, flops, slots in rows:
         ratio = (
             "1.000 (both 0)"
-            if sum(simulated_idle) == 0 == sum(executed_idle)
-            else f"{sum(executed_idle) / max(1, sum(simulated_idle)):.3f}"
+            if sum(simulated) == 0 == sum(executed)
+            else f"{sum(executed) / max(1, sum(simulated)):.3f}"
         )
-        compiled = growth[name] - growth[ref_name]
-        modelled = (slots - ref_slots) * per_slot
+        compiled, analytic = report.compiled_memory["temp_bytes"], report.analytic_memory["temp_bytes"]
+        figures = report.execution.figures
+        time = report.modelled_step_time.total_s / reference.modelled_step_time.total_s
         table.add_row(
             name + (f" v={v}" if v > 1 else ""),
-            " ".join(map(str, executed_idle)),
-            " ".join(map(str, simulated_idle)),
+            " ".join(map(str, executed)),
+            " ".join(map(str, simulated)),
             ratio,
-            str(max(timeline.peak_inflight)),
-            str(max(timeline.peak_held)),
+            f"{report.compiled_flops / dp.compiled_flops:.3f}",
+            *(f"{flops[kind] / flops['F']:.3f}" for kind in ("B", "W", "BW")),
+            spmd.format_bytes(compiled),
+            spmd.format_bytes(analytic),
+            f"{compiled / analytic:.3f}",
             str(slots),
-            spmd.format_bytes(growth[name]),
-            f"{compiled / 1024:+.0f} KiB",
-            f"{modelled / 1024:+.0f} KiB",
-            "reference" if name == ref_name else f"{compiled / modelled:.3f}" if modelled else "-",
+            f"{figures['lockstep_bubble_fraction']:.3f}",
+            f"{time:.3f}",
         )
     Console().print(table)
     print(
-        f"A slot's input grows by {spmd.format_bytes(input_bytes)} when the batch doubles; the reference for each "
-        f"number of chunks is the first schedule with it (chunks change the per-tick working set)."
+        f"FLOPs / dp: compiled matmul FLOPs per device against data parallelism on data=8 "
+        f"({dp.compiled_flops:.4g}); B/F, W/F, BW/F per run of each branch (W/F 0: a schedule without W); "
+        f"modelled step times on {reference.modelled_step_time.hardware} (compute × lock-step makespan / busy, "
+        f"plus communication)."
     )
 
 
