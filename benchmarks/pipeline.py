@@ -27,24 +27,6 @@ MESH = {"stage": 4, "data": 2}
 VIRTUAL = {"interleaved": 2, "bfs": 2, "zb-v": 2}
 
 
-def branch_flops(step: spmd.TrainStep, batch: dict) -> dict[str, float]:
-    """Compiled matmul FLOPs of one run of each tick-switch branch (F, B, W, BW) on a stage without the loss or
-    the embedding: the program counted with each branch run once per tick, less the program with none."""
-    from spmd._hlo import matmul_flops
-    from spmd._pipeline import EMBED_SCOPE, HEAD_SCOPE, TICK_SCOPE
-    from spmd._ticks import CODES
-
-    text, engine = step.compile(batch).as_text(), step.executor.engine
-    weights = {**engine.branch_weights, HEAD_SCOPE: (1, 0), EMBED_SCOPE: (1, 0)}
-
-    def program(branch: int | None) -> float:
-        tick = tuple(float(k == branch) for k in range(5))
-        return matmul_flops(text, branch_weights={**weights, TICK_SCOPE: tick})
-
-    none = program(None)
-    return {kind: (program(CODES[kind]) - none) / engine.program.ticks for kind in CODES}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,bfs,zb-h1,zb-h2,zb-v")
@@ -87,7 +69,9 @@ def main() -> None:
         lockstep = simulate_lockstep(schedule, Costs(F=v, B=v, W=v, BW=v))
         report = spmd.report(step, batch)
         idle = [int(x) for x in lockstep.idle]
-        rows.append((name, v, executed, idle, report, branch_flops(step, batch), engine.program.slots))
+        rows.append(
+            (name, v, executed, idle, report, engine.branch_flops(step.compile(batch).as_text()), engine.program.slots)
+        )
 
     reference = next((r[4] for r in rows if r[0] == "1f1b"), rows[0][4])
     ref_name = next((r[0] for r in rows if r[4] is reference), "")

@@ -36,13 +36,14 @@ from spmd._chunk import Chunk
 from spmd._context import constrain
 from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
+from spmd._hlo import matmul_flops
 from spmd._layout import StateLayout, stored_abstract
 from spmd._remat import Remat
 from spmd._residuals import LayerVjp
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
 from spmd._schedule import ScheduleError, simulate, simulate_lockstep
-from spmd._ticks import BW, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
+from spmd._ticks import BW, CODES, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
 from spmd._tree import is_box, leaves_with_paths
 from spmd.costmodel import (
     Contribution,
@@ -221,6 +222,20 @@ class Pipeline:
             EMBED_SCOPE: one_stage,
             DEPTH_SCOPE: depths,
         }
+
+    def branch_flops(self, hlo_text: str) -> dict[str, float]:
+        """Compiled matmul FLOPs of one run of each tick branch (``F``, ``B``, ``W``, ``BW``) of a chunk without
+        the loss or the embedding, read from this pipeline's compiled step (``step.compile(batch).as_text()``):
+        the program counted with each branch taken once per tick, less the program with none taken, over the
+        ticks. What shows that no action computes a forward again: B and W about one F each, BW about two."""
+        weights = {**self.branch_weights, HEAD_SCOPE: (1, 0), EMBED_SCOPE: (1, 0)}
+
+        def program(branch: int | None) -> float:
+            taken = tuple(float(code == branch) for code in (IDLE, F, B, W, BW))
+            return matmul_flops(hlo_text, branch_weights={**weights, TICK_SCOPE: taken})
+
+        none = program(None)
+        return {kind: (program(code) - none) / self.program.ticks for kind, code in CODES.items()}
 
     def _microbatches(self, batch: Any) -> Any:
         m = self.spec.schedule.microbatches

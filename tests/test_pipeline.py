@@ -11,8 +11,6 @@ import pytest
 import spmd
 import strategies
 from spmd import costmodel, data, models
-from spmd._hlo import matmul_flops
-from spmd._pipeline import EMBED_SCOPE, HEAD_SCOPE, TICK_SCOPE
 from spmd._ticks import CODES, FIELDS, IDLE, Placement
 from spmd.pipeline import Costs, ScheduleError, simulate, simulate_lockstep, tick_program
 from tests.conftest import assert_trees_close, run_cli, train_steps
@@ -110,27 +108,13 @@ def test_executed_ticks_are_the_simulators(runs, mesh, name, virtual):
     assert idle == [int(i) for i in lockstep.idle] and lockstep.makespan == len(executed)
 
 
-def _branch_flops(step, batch):
-    """Compiled matmul FLOPs of one run of each tick-switch branch (F, B, W, BW) on a stage without the loss or
-    the embedding: the program counted with each branch run once per tick, less the program with none."""
-    text, engine = step.compile(batch).as_text(), step.executor.engine
-    weights = {**engine.branch_weights, HEAD_SCOPE: (1, 0), EMBED_SCOPE: (1, 0)}
-
-    def program(branch):
-        tick = tuple(float(k == branch) for k in range(5))
-        return matmul_flops(text, branch_weights={**weights, TICK_SCOPE: tick})
-
-    none = program(None)
-    return {kind: (program(CODES[kind]) - none) / engine.program.ticks for kind in CODES}
-
-
 @pytest.mark.parametrize("mesh,name,virtual", CASES)
 def test_no_action_computes_a_forward_again(runs, mesh, name, virtual):
     # The zero-bubble papers' costs: B and W each about one forward, B + W one backward. B carries attention's
     # backward (its matmuls have no weights), so it is a little above one forward and W a little below.
     _, _, step = runs(mesh, name, virtual)
     batch = data.batch(0, 0, BATCH, 32, 256)
-    flops = _branch_flops(step, batch)
+    flops = step.executor.engine.branch_flops(step.compile(batch).as_text())
     assert 0.8 <= flops["B"] / flops["F"] <= 1.25 and 1.8 <= flops["BW"] / flops["F"] <= 2.25, flops
     if any(a.kind == "W" for row in step.plan.execution.schedule.actions for a in row):
         assert 0.8 <= flops["W"] / flops["F"] <= 1.25, flops
