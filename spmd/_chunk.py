@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd._residuals import LayerVjp
+from spmd._residuals import LayerVjp, on_host, zeros
 
 __all__ = ["Chunk"]
 
@@ -41,9 +41,10 @@ class Chunk:
         self.split, self.count, self.longest = split, count, longest
 
     @property
-    def kept(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """One slot's kept residuals: ``[longest, ...]`` per residual of a layer."""
-        return tuple(jax.ShapeDtypeStruct((self.longest, *r.shape), r.dtype) for r in self.split.kept)
+    def kept(self) -> tuple[jax.core.ShapedArray, ...]:
+        """One slot's kept residuals: ``[longest, ...]`` per residual of a layer, in its memory space (the host,
+        for those an offload remat policy offloads)."""
+        return tuple(r.update(shape=(self.longest, *r.shape)) for r in self.split.kept)
 
     @property
     def carried(self) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -52,7 +53,19 @@ class Chunk:
 
     @property
     def kept_bytes(self) -> int:
-        return _bytes(self.kept)
+        """Of one slot's kept residuals, the bytes in device memory."""
+        return _bytes(r for r in self.kept if not on_host(r))
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Of one slot's kept residuals, the bytes in host memory (what F moves there, and B reads back)."""
+        return _bytes(r for r in self.kept if on_host(r))
+
+    @property
+    def offloaded_weight_grad_bytes(self) -> int:
+        """Of the offloaded bytes, those W reads back itself (the rest reach it through what B hands over)."""
+        reads = self.split.weight_grad_reads
+        return _bytes(r for r, read in zip(self.kept, reads, strict=True) if on_host(r) and read)
 
     @property
     def carried_bytes(self) -> int:
@@ -96,12 +109,18 @@ class Chunk:
 
     def _pad(self, tree: Any) -> Any:
         extra = self.longest - self.count
-        return jax.tree.map(lambda a: jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1)) if extra else a, tree)
+
+        def pad(a: jax.Array) -> jax.Array:  # written into zeros of the padded shape, in a's memory space
+            return jax.lax.dynamic_update_slice_in_dim(
+                zeros(a.aval.update(shape=(self.longest, *a.shape[1:]))), a, 0, 0
+            )
+
+        return jax.tree.map(pad, tree) if extra else tree
 
 
-def _zeros(shapes: tuple[jax.ShapeDtypeStruct, ...]) -> tuple[jax.Array, ...]:
-    return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+def _zeros(shapes: tuple[Any, ...]) -> tuple[jax.Array, ...]:
+    return tuple(zeros(s) for s in shapes)
 
 
-def _bytes(shapes: tuple[jax.ShapeDtypeStruct, ...]) -> int:
+def _bytes(shapes: Any) -> int:
     return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in shapes)

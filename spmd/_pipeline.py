@@ -39,14 +39,16 @@ from spmd._format import format_bytes
 from spmd._hlo import matmul_flops
 from spmd._layout import StateLayout, stored_abstract
 from spmd._remat import Remat
-from spmd._residuals import LayerVjp
+from spmd._residuals import LayerVjp, zeros
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
 from spmd._schedule import ScheduleError, simulate, simulate_lockstep
 from spmd._ticks import BW, CODES, FIELDS, IDLE, B, F, Placement, TickProgram, W, split_layers, tick_program
 from spmd._tree import is_box, leaves_with_paths
 from spmd.costmodel import (
+    HOST_TRANSFER,
     Contribution,
+    Traffic,
     Workload,
     activation_bytes,
     data_parallel_traffic,
@@ -354,11 +356,11 @@ class Pipeline:
         slots = _Slots(
             lay_out(jnp.zeros((n, *x.shape), x.dtype)),
             lay_out(jnp.zeros((n, *x.shape), x.dtype)),
-            tuple(jnp.zeros((n, *k.shape), k.dtype) for k in chunk.kept),
+            tuple(zeros(k.update(shape=(n, *k.shape))) for k in chunk.kept),  # offloaded ones on the host
             tuple(jnp.zeros((n, *c.shape), c.dtype) for c in chunk.carried) if split else (),
         )
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-        init = (slots, zeros(device.weights), replicate(zeros(outer)), jnp.zeros((), jnp.float32))
+        zeros_like = functools.partial(jax.tree.map, jnp.zeros_like)
+        init = (slots, zeros_like(device.weights), replicate(zeros_like(outer)), jnp.zeros((), jnp.float32))
         rows = table[:, jax.lax.axis_index(axis)]
         (_, grad_w, grad_outer, loss), codes = jax.lax.scan(functools.partial(_tick, self, device), init, rows)
         # The loss lives on the last stage, the embedding's gradient on the first, the head's on the last; each
@@ -384,7 +386,7 @@ class _Tick:
         self.w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.chunk, 0, False), device.weights)
         self.split = bool(self.slots.carried)  # B hands values to W: the schedule runs W
         shapes = (self.slots.inputs.shape[1:], self.slots.inputs.dtype)
-        self.nothing = (jnp.zeros(*shapes), _zeros_like(device.chunks[0].kept), _zeros_like(self._carried_shapes))
+        self.nothing = (jnp.zeros(*shapes), tuple(map(zeros, device.chunks[0].kept)), _zeros_like(self._carried_shapes))
 
     @property
     def _carried_shapes(self) -> tuple:
@@ -526,13 +528,6 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
             "pass staged=model.staged (the built-in GPTs have one; cut your own with "
             "spmd.pipeline.staged_from_parts, or write a spmd.pipeline.StagedModel)"
         )
-    if task.plan.remat.kind == "offload":
-        # The slots would have to live in host memory as the residuals do; they are device buffers.
-        raise PlanError(
-            f"the plan runs a pipeline ({spec.describe()}) with activations offloaded to the host "
-            f"({task.plan.remat.describe()}), which its slots do not hold yet; keep them on the device (drop "
-            "--offload activations) or keep fewer of them (--remat dots or --remat full)"
-        )
     layers = _layers(task.params, task.staged)
     stacked = Pipeline(task.staged, spec, task.mesh, layers).stack(task.params)
     with warnings.catch_warnings():  # the training step resolves the same layout again, and warns there
@@ -594,12 +589,17 @@ def _slot_bytes(
         auto /= _model_axes_share(engine, plan, layout, workload)
     message = _message_bytes(engine, plan, layout, batch)
     split = any(a.kind == "W" for row in engine.spec.schedule.actions for a in row)
+    # Offloaded residuals (an offload remat policy's) live in host memory between F and the backward, which
+    # brings them back to the device while it runs.
+    offloaded = chunk.offloaded_bytes
     return {
         "inputs": message,
         "grads": message,
         "kept": int(chunk.kept_bytes / auto),
         "carried": int(chunk.carried_bytes / auto) if split else 0,
-    }, int((chunk.kept_bytes + chunk.carried_bytes) / auto)
+        "offloaded": int(offloaded / auto),
+        "offloaded_weight_grad": int(chunk.offloaded_weight_grad_bytes / auto) if split else 0,
+    }, int((chunk.kept_bytes + offloaded + chunk.carried_bytes) / auto)
 
 
 def _model_axes_share(engine: Pipeline, plan: Any, layout: StateLayout, workload: Workload) -> float:
@@ -627,12 +627,32 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     # While a tick runs: the switch's outputs (F's residuals, B's values for W) and a branch's copy of what it
     # reads of its slot, about twice what a chunk's backward uses; and the chunk's FSDP-gathered layers.
     working = 2 * backward + pipeline_gathered_bytes(layout.params.leaves, plan, sizes) / schedule.virtual
-    kept = (engine.program.slots + 1) * sum(slot.values()) + int(working)  # the spare slot too
+    on_device = sum(slot[k] for k in ("inputs", "grads", "kept", "carried"))
+    kept = (engine.program.slots + 1) * on_device + int(working)  # the spare slot too
     # The executor runs in lock-step: each tick lasts as long as its dearest action (F, B and W cost alike).
     lockstep = simulate_lockstep(schedule)
     bubble = float(lockstep.makespan / max(lockstep.busy))
     note = "slots: stage inputs, gradients, residuals; one tick's working set"
-    return Contribution(tuple(traffic), kept, note, compute_factor=bubble)
+    return Contribution(
+        tuple(traffic),
+        kept,
+        note,
+        compute_factor=bubble,
+        host_activation_bytes=(engine.program.slots + 1) * slot["offloaded"],
+        host_traffic=_host_transfers(schedule, slot),
+    )
+
+
+def _host_transfers(schedule: Any, slot: dict[str, int]) -> tuple[Traffic, ...]:
+    """Per step, one device's moves of offloaded residuals, one per tick that moves them: each F sends its
+    chunk's to the host; each B and BW reads them back, and each W what it reads itself."""
+    if not slot["offloaded"]:
+        return ()
+    kinds = [a.kind for a in schedule.actions[0]]  # every device runs as many of each
+    moved = (kinds.count("F") + kinds.count("B") + kinds.count("BW")) * slot["offloaded"]
+    moved += kinds.count("W") * slot["offloaded_weight_grad"]
+    count = len(kinds) - (kinds.count("W") if not slot["offloaded_weight_grad"] else 0)
+    return (Traffic(HOST_TRANSFER, (), moved, moved, count),)
 
 
 def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Summary:

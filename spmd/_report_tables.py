@@ -98,7 +98,10 @@ def _memory(report: Report) -> Table:
             format_bytes(cm.get("host_argument_bytes")),
         )
         table.add_row("host: outputs", "", format_bytes(cm.get("host_output_bytes")))
-        table.add_row("host <-> device per step", format_bytes(am.get("host_transfer_bytes")), "")
+    if "host_activation_bytes" in am:  # an offload remat policy's activations, held in host memory in the step
+        table.add_row("host: offloaded activations", format_bytes(am["host_activation_bytes"]), "")
+    if "host_transfer_bytes" in am:
+        table.add_row("host <-> device per step", format_bytes(am["host_transfer_bytes"]), "")
     return table
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-__all__ = ["LayerVjp"]
+__all__ = ["LayerVjp", "on_host", "zeros"]
 
 _INLINED = ("jit", "pjit", "remat2", "checkpoint", "closed_call")  # calls whose equations are split one by one
 
@@ -58,6 +58,9 @@ class LayerVjp:
         self._tree = jax.tree.structure(w)
         backward = jax.make_jaxpr(self._backward)(w, self.kept, self.x)
         self._b, self._w, self.carried = _split(backward, weights, len(self.kept))
+        read = {v for eqn in self._w.jaxpr.eqns for v in eqn.invars} | set(self._w.jaxpr.outvars)
+        # Per kept residual, whether W reads it itself (or only what B made of it, handed over as carried).
+        self.weight_grad_reads = tuple(v in read for v in self._w.jaxpr.invars[weights : weights + len(self.kept)])
 
     def forward(self, w: Any, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer's output and the residuals its backward needs that depend on ``x``."""
@@ -92,8 +95,21 @@ class LayerVjp:
         return [*jax.tree.leaves(dw), dx]
 
 
-def _abstract(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+def _abstract(aval: Any) -> jax.core.ShapedArray:
+    # The memory space stays: under an offload remat policy the residuals it offloads live on the host, and
+    # what holds them (a pipeline's slots) and what reads them (the backward) must say so.
+    return jax.core.ShapedArray(aval.shape, aval.dtype, memory_space=aval.memory_space)
+
+
+def on_host(aval: Any) -> bool:
+    """Whether ``aval`` (an array or an abstract value) lives in host memory."""
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def zeros(aval: Any) -> jax.Array:
+    """Zeros of ``aval``'s shape and dtype, in its memory space (host memory for offloaded residuals)."""
+    z = jnp.zeros(aval.shape, aval.dtype)
+    return jax.device_put(z, jax.memory.Space.Host) if on_host(aval) else z
 
 
 def _depends(jaxpr: Any, weights: int) -> list[bool]:

@@ -262,9 +262,11 @@ class TrainStep:
 
     def lower(self, batch: Any) -> jax.stages.Lowered:
         """Lowers the step for a batch (arrays or ShapeDtypeStructs) without running it."""
-        return self._trace(batch).lower()
+        return self.trace(batch).lower()
 
-    def _trace(self, batch: Any) -> jax.stages.Traced:
+    def trace(self, batch: Any) -> jax.stages.Traced:
+        """Traces the step for a batch (arrays or ShapeDtypeStructs): its ``jaxpr`` shows what the program asks
+        before the backend lowers it, such as the memory space of what it keeps (``f32<host>``, offloaded)."""
         shardings = self.batch_shardings(batch)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), batch, shardings)
         jitted = jax.jit(
@@ -304,7 +306,7 @@ class TrainStep:
     def _program(self, batch: Any) -> tuple[jax.stages.Compiled, Any, bool]:
         key = _signature(batch)
         if key not in self._compiled:
-            traced = self._trace(batch)
+            traced = self.trace(batch)
             check_compute(self.plan.precision, traced.jaxpr)
             self._compiled[key] = (traced.lower().compile(), self.batch_shardings(batch), recomputes(traced.jaxpr))
         return self._compiled[key]

@@ -764,7 +764,9 @@ class Contribution:
     gathers (:func:`data_parallel_traffic`); the activations' traffic is added to it either way. ``activation_bytes``:
     what a device keeps for the backward pass, replacing :func:`activation_bytes`, with ``activation_note`` naming
     it in the report. ``compute_factor``: the step's compute time over a device's own compute (a pipeline's
-    makespan over its busy time: the bubble).
+    makespan over its busy time: the bubble). ``host_activation_bytes`` and ``host_traffic``: with
+    ``activation_bytes``, what the mode keeps of them in host memory (an offload remat policy's activations) and
+    moves between host and device per step.
 
     >>> Contribution().traffic is None
     True
@@ -774,6 +776,8 @@ class Contribution:
     activation_bytes: float | None = None
     activation_note: str = "activations kept for backward"
     compute_factor: float = 1.0
+    host_activation_bytes: float = 0.0
+    host_traffic: tuple[Traffic, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -796,7 +800,7 @@ class Estimate:
     time: StepTime
     activation_note: str = "activations kept for backward"
     host_bytes: int = 0  # per device, of state offloaded to host memory (not in per_device_bytes' total)
-    host_traffic: tuple[Traffic, ...] = ()  # offloaded state moved to the device and back, per step
+    host_traffic: tuple[Traffic, ...] = ()  # offloaded state and activations moved to and from the device, per step
     accumulator_bytes: int = 0  # the float32 accumulated gradient, with plan.accumulate > 1
     host_activation_bytes: int = 0  # moved to host memory by an offload remat policy, outside memory_bytes
 
@@ -838,8 +842,11 @@ class Estimate:
         }
         out |= {"peak_bytes": out["argument_bytes"] + out["temp_bytes"]}
         if self.host_bytes:
-            moved = int(sum(t.bytes for t in self.host_traffic))
-            out |= {"host_argument_bytes": self.host_bytes, "host_transfer_bytes": moved}
+            out |= {"host_argument_bytes": self.host_bytes}
+        if self.host_activation_bytes:
+            out |= {"host_activation_bytes": self.host_activation_bytes}
+        if self.host_traffic:
+            out |= {"host_transfer_bytes": int(sum(t.bytes for t in self.host_traffic))}
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -855,7 +862,7 @@ class Estimate:
             "step_time": self.time.to_dict(),
         } | (
             {"host_bytes": self.host_bytes, "host_traffic": [t.to_dict() for t in self.host_traffic]}
-            if self.host_bytes
+            if self.host_traffic
             else {}
         )
 
@@ -904,16 +911,22 @@ def estimate_layout(
     if moved is None:
         moved = data_parallel_traffic(layout, plan, mesh_shape)
     moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
-    kept, host_acts = contribution.activation_bytes, 0.0
+    kept, host_acts, acts_moved = (
+        contribution.activation_bytes,
+        contribution.host_activation_bytes,
+        contribution.host_traffic,
+    )
     if kept is None:  # accumulation keeps one microbatch's activations at a time
         micro = dataclasses.replace(workload, batch=max(workload.batch // plan.accumulate, 1))
         kept, host_acts = _activations(layout.params.leaves, plan, mesh_shape, micro)
+        # Each microbatch's offloaded activations go to the host in its forward and come back for its backward.
+        acts_moved = host_traffic(int(host_acts * plan.accumulate))
     flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
     state, host = model_state_bytes(layout, plan.precision), 0
     if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
         host = state["optimizer"]
         state = state | {"optimizer": 0, "total": state["total"] - host, "host_optimizer": host}
-    streamed = host_traffic(host)
+    streamed = (*host_traffic(host), *acts_moved)
     time = step_time(flops, (*moved, *streamed), hardware, mesh_shape)
     time = dataclasses.replace(time, compute_s=time.compute_s * contribution.compute_factor)
     return Estimate(
@@ -932,8 +945,8 @@ def estimate_layout(
 
 
 def host_traffic(offloaded_bytes: int) -> tuple[Traffic, ...]:
-    """The per-step traffic between host and device memory of ``offloaded_bytes`` of state per device that the
-    update reads and writes: moved to the device and back, each device its own shards (no mesh axes).
+    """The per-step traffic between host and device memory of ``offloaded_bytes`` per device (state the update
+    reads and writes, or activations the backward reads): moved each way once, each device its own (no mesh axes).
 
     >>> host_traffic(1024)
     (Traffic(kind='host-transfer', axes=(), bytes=2048, traffic_bytes=2048, count=2),)

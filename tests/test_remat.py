@@ -172,6 +172,9 @@ def test_the_cost_model_keeps_what_each_policy_keeps():
         offloading, params, {"data": 8}, workload, optimizer=optax.sgd(0.1), hardware=costmodel.HARDWARE["h100"]
     )
     assert est.host_activation_bytes == hidden
+    # They go to the host in the forward and come back for the backward, over the host link.
+    assert [(t.kind, t.bytes) for t in est.host_traffic] == [("host-transfer", 2 * hidden)]
+    assert est.step_memory(0)["host_transfer_bytes"] == 2 * hidden
 
 
 def test_plans_merge_one_policy():
