@@ -260,22 +260,24 @@ class Pipeline:
         shards = math.prod(self.mesh.shape[a] for a in self.data_axes)
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
 
-    def weight_uses(self) -> tuple[float, float]:
+    def weight_uses(self, weight_grad_share: float = 1.0) -> tuple[float, float]:
         """Per step, how many times a device uses its chunks' weights and makes their gradients, in whole
-        stacks of its chunks: every action uses them once (B for the input gradient's matmuls, W for the layers'
-        parts the weight gradient derives from the weights), and every W or BW makes a gradient. What FSDP
-        gathers and reduces inside the stages.
+        stacks of its chunks: F, B and BW use them once each, W only the ``weight_grad_share`` of their bytes its
+        own equations read (a matmul's weight gradient needs its input and output cotangent, not the weight:
+        ``LayerVjp.weight_grad_weight_share``), and every W or BW makes a gradient. What FSDP gathers and
+        reduces inside the stages.
 
         >>> import spmd, strategies
         >>> mesh = spmd.make_mesh({"stage": 2, "data": -1})
         >>> plan = strategies.pipeline("zb-h1", stages=2, microbatches=4)
-        >>> Pipeline(None, plan.execution, mesh, layers=4).weight_uses()  # 4 F, 4 B, 4 W
-        (12.0, 4.0)
+        >>> Pipeline(None, plan.execution, mesh, layers=4).weight_uses(0.25)  # 4 F, 4 B, 4 W reading a quarter
+        (9.0, 4.0)
         """
         s = self.spec.schedule
-        actions = s.actions[0]  # every device runs each microbatch of each of its chunks once
-        grads = sum(a.kind in ("W", "BW") for a in actions)
-        return len(actions) / s.virtual, grads / s.virtual
+        kinds = [a.kind for a in s.actions[0]]  # every device runs each microbatch of each of its chunks once
+        uses = len(kinds) - kinds.count("W") * (1 - weight_grad_share)
+        grads = kinds.count("W") + kinds.count("BW")
+        return uses / s.virtual, grads / s.virtual
 
     def figures(self) -> dict[str, Any]:
         """The schedule's figures: simulated with unit op costs (F = B = W, what the executor's actions cost: no
@@ -472,11 +474,10 @@ def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tu
     )
     # Every device joins both exchanges every tick (collectives stay outside the switch); a receiver keeps
     # what arrives only where the table expects it.
-    arrived = {
-        "up": jax.lax.ppermute(msg, engine.spec.axis, [(i, (i + 1) % p) for i in range(p)]),
-        "down": jax.lax.ppermute(msg, engine.spec.axis, [(i, (i - 1) % p) for i in range(p)]),
-        "self": msg,
-    }
+    up = jax.lax.ppermute(msg, engine.spec.axis, [(i, (i + 1) % p) for i in range(p)])
+    # On two stages both rings are the same pair: one exchange serves both.
+    down = up if p == 2 else jax.lax.ppermute(msg, engine.spec.axis, [(i, (i - 1) % p) for i in range(p)])
+    arrived = {"up": up, "down": down, "self": msg}
     inputs, grads = slots.inputs, slots.grads
     for route, value in arrived.items():
         at, is_grad = field[f"{route}_slot"], field[f"{route}_grad"]
@@ -573,6 +574,12 @@ def _message_bytes(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any)
     return math.prod(message.shape) * np.dtype(message.dtype).itemsize // auto
 
 
+def _deepest_chunk(engine: Pipeline, layout: StateLayout, batch: Any) -> Chunk:
+    params = stored_abstract(layout.params)
+    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _get(params, engine.staged.layers_key))
+    return engine.chunks(weights, engine.activation(params, batch))[-1]
+
+
 def _slot_bytes(
     engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workload: Workload | None = None
 ) -> tuple[dict[str, int], int]:
@@ -581,9 +588,7 @@ def _slot_bytes(
     one chunk's backward makes of both, kept or not. Batch axes the program does not run manual over (FSDP's)
     split them as they split the messages; model axes (tensor) split them as they split the layers' activations
     in the cost model (given the ``workload``)."""
-    params = stored_abstract(layout.params)
-    weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _get(params, engine.staged.layers_key))
-    chunk = engine.chunks(weights, engine.activation(params, batch))[-1]  # the deepest stage's
+    chunk = _deepest_chunk(engine, layout, batch)
     auto = math.prod(engine.mesh.shape[a] for a in plan.batch_axes if a not in engine.data_axes)
     if workload is not None:
         auto /= _model_axes_share(engine, plan, layout, workload)
@@ -621,7 +626,8 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     message = _message_bytes(engine, plan, layout, batch)
     prefix = "/".join(engine.staged.layers_key) + "/"
     outer = sum(r.bytes_per_device for r in layout.params.leaves if not r.path.startswith(prefix))
-    traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses())
+    share = _deepest_chunk(engine, layout, batch).split.weight_grad_weight_share
+    traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses(share))
     traffic += pipeline_traffic(engine.program.ticks, message, outer, engine.spec.axis, sizes)
     slot, backward = _slot_bytes(engine, plan, layout, batch, workload)
     # While a tick runs: the switch's outputs (F's residuals, B's values for W) and a branch's copy of what it

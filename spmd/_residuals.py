@@ -17,6 +17,7 @@ forward keeps: under ``full`` only the input, and B recomputes the forward (and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +62,11 @@ class LayerVjp:
         read = {v for eqn in self._w.jaxpr.eqns for v in eqn.invars} | set(self._w.jaxpr.outvars)
         # Per kept residual, whether W reads it itself (or only what B made of it, handed over as carried).
         self.weight_grad_reads = tuple(v in read for v in self._w.jaxpr.invars[weights : weights + len(self.kept)])
+        # The share of the weights' bytes W reads: a matmul's weight gradient needs its input and output
+        # cotangent, not the weight, so under FSDP W gathers little.
+        sizes = [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(w)]
+        used = sum(n for n, v in zip(sizes, self._w.jaxpr.invars[:weights], strict=True) if v in read)
+        self.weight_grad_weight_share = used / sum(sizes) if sum(sizes) else 0.0
 
     def forward(self, w: Any, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer's output and the residuals its backward needs that depend on ``x``."""

@@ -17,7 +17,7 @@ from flax import nnx
 
 from spmd._pipeline import StagedModel
 from spmd._tree import unbox
-from spmd.models.nnx_module import nnx_module
+from spmd.models.nnx_module import nnx_module, split_params
 
 __all__ = ["staged_from_parts", "staged_loss"]
 
@@ -53,14 +53,12 @@ def _get(tree: Any, path: tuple[str | int, ...], what: str) -> Any:
 
 
 def _nnx_runner(module: nnx.Module, what: str) -> Runner:
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    others = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(rest)]
-    if others:
-        raise ValueError(
-            f"staged_from_parts: the nnx {what} {type(module).__name__} holds state other than nnx.Param at "
-            f"{others[:4]} (e.g. nnx.Rngs or batch statistics); pipelined parts must hold only parameters: "
-            f"build it without rngs streams (deterministic) or give a function (params, x) -> y instead"
-        )
+    graphdef, params = split_params(
+        module,
+        f"staged_from_parts: the nnx {what} {type(module).__name__}",
+        "pipelined parts must hold only parameters: build it without rngs streams (deterministic) or give a "
+        "function (params, x) -> y instead",
+    )
     # Shapes only: a built module's arrays are not kept alive by the cut; nnx_module takes their metadata.
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     flat = list(nnx.to_flat_state(abstract))

@@ -321,7 +321,7 @@ def data_parallel_traffic(
 
     ``stage_uses``: in a pipeline, how many times per step a device gathers its stages' FSDP-split layers and
     reduces their gradients, in whole stacks (see ``spmd.pipeline.Pipeline.weight_uses``): every schedule action uses
-    the weights afresh, rather than once forward and once backward.
+    the weights afresh (W only those its equations read), rather than once forward and once backward.
 
     >>> import spmd, strategies, optax, jax, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": -1})
@@ -382,16 +382,18 @@ def data_parallel_traffic(
 def pipeline_traffic(
     ticks: int, message_bytes: float, outer_bytes: float, axis: str, mesh_shape: Mapping[str, int]
 ) -> list[Traffic]:
-    """A pipeline's own exchanges per step: every tick each device sends one stage input forward and one input
-    gradient back (two collective-permutes over ``axis`` of ``message_bytes`` each), and the gradients of the
-    parameters outside the stacked layers (``outer_bytes``: embeddings, head; used on the first and last stage)
-    are summed over the stages once.
+    """A pipeline's own exchanges per step: every tick each device sends its message around both rings (two
+    collective-permutes over ``axis`` of ``message_bytes`` each; one on two stages, where both rings are the
+    same pair), and the gradients of the parameters outside the stacked layers (``outer_bytes``: embeddings,
+    head; used on the first and last stage) are summed over the stages once.
 
     >>> [(t.kind, t.count, t.traffic_bytes) for t in pipeline_traffic(10, 100, 0, "stage", {"stage": 4})]
     [('collective-permute', 20, 2000.0)]
+    >>> [(t.kind, t.count, t.traffic_bytes) for t in pipeline_traffic(10, 100, 0, "stage", {"stage": 2})]
+    [('collective-permute', 10, 1000.0)]
     """
-    totals = _Totals(mesh_shape)
-    totals.add("collective-permute", (axis,), 2 * ticks * message_bytes, 2 * ticks)
+    totals, rings = _Totals(mesh_shape), 1 if mesh_shape[axis] == 2 else 2
+    totals.add("collective-permute", (axis,), rings * ticks * message_bytes, rings * ticks)
     totals.add("all-reduce", (axis,), outer_bytes)
     return totals.result()
 

@@ -284,7 +284,7 @@ def test_report_counts_fsdp_inside_the_stages():
     assert (
         permutes.bytes
         == analytic["collective-permute", ("stage",)].bytes
-        == 2 * pipeline["ticks"] * (pipeline["slot_bytes"])
+        == 2 * pipeline["ticks"] * pipeline["slot_bytes"]
     )
     assert pipeline["slot_bytes"] == (BATCH // 4) * 32 * 64 * 4 // 2
     comm = report.comm_bytes_per_step
@@ -298,6 +298,27 @@ def test_report_counts_fsdp_inside_the_stages():
     slots = (pipeline["slots"] + 1) * sum(parts.values())
     assert slots + gathered + 2 * parts["kept"] < report.analytic_memory["activation_bytes"]
     assert 0.8 <= report.compiled_memory["temp_bytes"] / report.analytic_memory["temp_bytes"] <= 1.25
+
+
+def test_w_gathers_only_the_weights_it_reads_and_two_stages_exchange_once_a_tick():
+    # A matmul's weight gradient needs its input and output cotangent, not the weight: under FSDP, W gathers
+    # only what its own equations read. On two stages both rings are one pair: one exchange per tick.
+    mesh_axes = {"stage": 2, "fsdp": 4}
+    plan = strategies.from_names("pp+fsdp", mesh_axes, pipeline_options=strategies.PipelineOptions("zb-h1", 4))
+    model = models.get("gpt-tiny", layers=LAYERS, remat=plan.remat)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    step = spmd.TrainStep(
+        models.loss_fn(model), optax.sgd(0.1), plan, spmd.make_mesh(mesh_axes), params=params, staged=model.staged
+    )
+    report = spmd.report(step, data.batch(0, 0, BATCH, 32, 256))
+    compiled = {(c.kind, c.axes): c for c in report.collectives}
+    analytic = {(t.kind, t.axes): t for t in report.analytic_collectives}
+    stack = sum(r.bytes_per_device * 4 for r in report.params if r.names and r.names[0] == "stage" and "fsdp" in r.spec)
+    gathers = compiled["all-gather", ("fsdp",)].bytes
+    assert 8 * stack <= gathers < 10 * stack  # 4 F and 4 B gather all, 4 W a little (12 · stack if W did too)
+    assert gathers == pytest.approx(analytic["all-gather", ("fsdp",)].bytes, rel=0.05)
+    ticks = report.execution.figures["ticks"]
+    assert compiled["collective-permute", ("stage",)].count == analytic["collective-permute", ("stage",)].count == ticks
 
 
 def test_cli_run_pipelined_check(capsys):

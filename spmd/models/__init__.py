@@ -68,7 +68,7 @@ from spmd._remat import NAMES as REMAT_NAMES
 from spmd._remat import Remat
 from spmd._tree import unbox
 from spmd.models.config import LMConfig
-from spmd.models.nnx_module import nnx_module
+from spmd.models.nnx_module import nnx_module, split_params
 
 __all__ = [
     "BUILTIN",
@@ -196,13 +196,9 @@ def _from_nnx(build: Callable[[nnx.Rngs], nnx.Module], name: str, config: LMConf
     # Graph structure and abstract params once, from shapes only; init and apply reuse them.
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: construct(jax.random.key(0)))
-    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
-    rest_paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(rest)]
-    if rest_paths:
-        raise ValueError(
-            f"model {name!r}: spmd nnx models must hold only nnx.Param state, found other variables at "
-            f"{rest_paths[:8]} (e.g. stored nnx.Rngs, dropout rng streams or batch statistics)"
-        )
+    graphdef, abstract_params = split_params(
+        abstract, f"model {name!r}", "spmd nnx models must hold only nnx.Param state"
+    )
     abstract_flat = list(nnx.to_flat_state(abstract_params))
 
     def init(rng: jax.Array) -> Any:
