@@ -13,7 +13,8 @@ its last backward; see :mod:`spmd._ticks`), assigned ahead of time from the sche
 exactly its peak of held microbatches. No action runs a forward again: F keeps each layer's residuals, B computes
 only the input gradient (sent back at once) and keeps what the weight gradient reads, W computes only the weight
 gradient (deferrable, so zero-bubble schedules really defer it), each about one forward's work (see
-:mod:`spmd._residuals`). A remat policy in the plan trades that memory for recomputation.
+:mod:`spmd._residuals`). A remat policy in the plan trades that memory for recomputation; an offload policy's
+residuals wait in host-memory slots between F and the backward (PipeOffload).
 """
 
 from __future__ import annotations
