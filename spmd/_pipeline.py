@@ -53,6 +53,7 @@ from spmd.costmodel import (
     Workload,
     activation_bytes,
     data_parallel_traffic,
+    flops_per_device,
     pipeline_gathered_bytes,
     pipeline_traffic,
 )
@@ -626,7 +627,8 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     sizes, schedule = dict(engine.mesh.shape), engine.spec.schedule
     message = _message_bytes(engine, plan, layout, batch)
     prefix = "/".join(engine.staged.layers_key) + "/"
-    outer = sum(r.bytes_per_device for r in layout.params.leaves if not r.path.startswith(prefix))
+    rows = layout.params.leaves
+    outer = sum(r.bytes_per_device for r in rows if not r.path.startswith(prefix))
     share = _deepest_chunk(engine, layout, batch).split.weight_grad_weight_share
     traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses(share))
     traffic += pipeline_traffic(engine.program.ticks, message, outer, engine.spec.axis, sizes)
@@ -640,11 +642,15 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     lockstep = simulate_lockstep(schedule)
     bubble = float(lockstep.makespan / max(lockstep.busy))
     note = "slots: stage inputs, gradients, residuals; one tick's working set"
+    # The stacked layers' work is split over the stages; the head's runs on the last stage only.
+    layers = flops_per_device([r for r in rows if r.path.startswith(prefix)], plan, sizes, workload)
+    head = flops_per_device([r for r in rows if not r.path.startswith(prefix)], plan, sizes, workload)
     return Contribution(
         tuple(traffic),
         kept,
         note,
         compute_factor=bubble,
+        flops=layers + head / sizes[engine.spec.axis],
         host_activation_bytes=(engine.program.slots + 1) * slot["offloaded"],
         host_traffic=_host_transfers(schedule, slot),
     )

@@ -768,7 +768,8 @@ class Contribution:
     it in the report. ``compute_factor``: the step's compute time over a device's own compute (a pipeline's
     makespan over its busy time: the bubble). ``host_activation_bytes`` and ``host_traffic``: with
     ``activation_bytes``, what the mode keeps of them in host memory (an offload remat policy's activations) and
-    moves between host and device per step.
+    moves between host and device per step. ``flops``: what a device computes per step, replacing
+    :func:`flops_per_device` (a pipeline runs the head on one stage only).
 
     >>> Contribution().traffic is None
     True
@@ -780,6 +781,7 @@ class Contribution:
     compute_factor: float = 1.0
     host_activation_bytes: float = 0.0
     host_traffic: tuple[Traffic, ...] = ()
+    flops: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -923,7 +925,9 @@ def estimate_layout(
         kept, host_acts = _activations(layout.params.leaves, plan, mesh_shape, micro)
         # Each microbatch's offloaded activations go to the host in its forward and come back for its backward.
         acts_moved = host_traffic(int(host_acts * plan.accumulate))
-    flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
+    flops = contribution.flops
+    if flops is None:
+        flops = flops_per_device(layout.params.leaves, plan, mesh_shape, workload)
     state, host = model_state_bytes(layout, plan.precision), 0
     if "optimizer" in plan.offload:  # ZeRO-Offload: the optimizer state lives in host memory between steps
         host = state["optimizer"]

@@ -136,6 +136,8 @@ def test_a_pipeline_does_a_data_parallel_steps_matmul_work(runs):
     dp = _train(strategies.data_parallel(), spmd.make_mesh({"data": 8}))[2]
     piped, plain = spmd.report(step, batch), spmd.report(dp, batch)
     assert 0.95 <= piped.compiled_flops / plain.compiled_flops <= 1.05, (piped.compiled_flops, plain.compiled_flops)
+    # The cost model agrees: the layers' work split over the stages, the head's on one stage of four.
+    assert piped.flops_per_device == pytest.approx(piped.compiled_flops, rel=0.05)
 
 
 def test_offloaded_residuals_wait_in_host_slots_and_train_like_one_device(reference):
