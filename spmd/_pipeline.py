@@ -623,7 +623,8 @@ def _model_axes_share(engine: Pipeline, plan: Any, layout: StateLayout, workload
 def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workload: Workload) -> Contribution:
     """FSDP inside the stages gathers per action; every tick sends a stage input and an input gradient; the
     parameters outside the stacked layers reduce over the stages once. Memory: the slots (see
-    :func:`_slot_bytes`) and one tick's working set."""
+    :func:`_slot_bytes`) and one tick's working set; offloaded residuals on the host, moved per tick (see
+    :func:`_host_transfers`). Work: the layers' split over the stages, the head's on the last stage alone."""
     sizes, schedule = dict(engine.mesh.shape), engine.spec.schedule
     message = _message_bytes(engine, plan, layout, batch)
     prefix = "/".join(engine.staged.layers_key) + "/"
