@@ -16,6 +16,7 @@ P('data', None)
 from spmd import axes, collectives, costmodel, devices, execution, pipeline, rules
 from spmd._checkpoint import CheckpointError, Checkpoints, ModelLayout
 from spmd._context import activate, constrain
+from spmd._context_parallel import attention, balance_sequence, restore_sequence, sequence_positions
 from spmd._create import create
 from spmd._devices import emulate_devices
 from spmd._feed import global_batch
@@ -48,7 +49,9 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "activate",
+    "attention",
     "axes",
+    "balance_sequence",
     "collectives",
     "constrain",
     "create",
@@ -66,7 +69,9 @@ __all__ = [
     "rematerialise",
     "report",
     "resolve_state",
+    "restore_sequence",
     "rules",
+    "sequence_positions",
     "shard",
     "unbox",
 ]

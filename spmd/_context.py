@@ -11,6 +11,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from spmd._flax_context import flax_context
+from spmd._sequence_order import tracking_order
 from spmd._tree import leaves_with_paths
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def activate(plan: Plan, mesh: jax.sharding.Mesh) -> Iterator[None]:
     """
     token = _ACTIVE.set((plan, mesh))
     try:
-        with flax_context(plan, mesh):
+        with flax_context(plan, mesh), tracking_order():
             yield
     finally:
         _ACTIVE.reset(token)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd import axes as names
 from spmd._accumulate import check_accumulate, merged, with_accumulation
+from spmd._context_parallel import ContextParallel, context_part
 from spmd._layout import Layout
 from spmd._offload import check_offload
 from spmd._precision import Precision
@@ -79,6 +80,7 @@ class Plan:
         check_accumulate(self.accumulate, "Plan(accumulate=...)")
         object.__setattr__(self, "remat", Remat.of(self.remat))  # bools and strings, as plans took before
         object.__setattr__(self, "offload", check_offload(self.offload))
+        context_part(self.parts, self.execution)  # one at most, and not under an execution mode
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -239,7 +241,18 @@ class Plan:
         P(('data', 'fsdp'), None, None)
         """
         lead = None if not self.batch_axes else self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
-        return PartitionSpec(lead, *([None] * (ndim - 1)))
+        seq = [self.context.axis] if self.context is not None and ndim > 1 else []
+        return PartitionSpec(lead, *seq, *([None] * (ndim - 1 - len(seq))))
+
+    @property
+    def context(self) -> ContextParallel | None:
+        """The plan's context parallelism (its sequence split; see :func:`spmd.attention`), or None.
+
+        >>> import strategies
+        >>> strategies.context_parallel().batch_spec()  # a batch's sequence (dimension 1) over context
+        P(None, 'context')
+        """
+        return context_part(self.parts, self.execution)
 
     def batch_shardings(self, batch: Any, mesh: Mesh) -> Any:
         """A NamedSharding per batch array (see :meth:`batch_spec`), checking the batch size divides.
@@ -250,6 +263,8 @@ class Plan:
         P('data', None)
         """
         self.check_mesh(mesh)
+        if self.context is not None:
+            self.context.check_batch(batch, mesh.shape)
         return batch_shardings(batch, mesh, self.batch_axes, self.batch_spec)
 
     def logical_rules(self) -> list[tuple[str, tuple[str, ...]]]:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from rich.console import Console, Group
 
 from spmd import costmodel
+from spmd._context_parallel import context_weights
 from spmd._executor import Summary
 from spmd._format import format_bytes
 from spmd._hlo import Collective, collectives, matmul_flops, num_devices
@@ -268,7 +269,8 @@ def _report_step(step: TrainStep, batch: Any, workload: Any, hardware: Any) -> R
     side = _Side(step.layout, ex.costs(step.layout, batch, workload), optimizer_known=True, counter_bytes=4)
     return _join(
         step.plan, plan, step.mesh, step.compile(batch), batch, side, workload, known, hardware,
-        branch_weights=ex.branch_weights, execution=ex.summary(step.layout, batch), said=said,
+        branch_weights={**ex.branch_weights, **context_weights(step.plan, step.mesh)},
+        execution=ex.summary(step.layout, batch), said=said,
     )  # fmt: skip
 
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from spmd import axes as A
+from spmd._context_parallel import attention_share, exchanges
 from spmd._hardware import HARDWARE, Hardware, detect, hardware
 from spmd._layout import LeafLayout, StateLayout, resolve_state
 from spmd._matmuls import Matmul, attention_parents, matmuls, stacked
@@ -94,6 +95,7 @@ __all__ = [
     "step_time",
     "token_lookup",
     "subnet_traffic",
+    "context_traffic",
     "traffic",
 ]
 
@@ -421,14 +423,25 @@ def subnet_traffic(summary: Mapping[str, Any], axis: str, *, masking: str) -> li
 
 
 # ------------------------------------------------------------------------------------------------- matmuls
+def _attention_share(plan: Plan, sizes: Mapping[str, int]) -> float:
+    """The share of the causal attention products a context-parallel device computes (its busiest device)."""
+    cp = plan.context
+    return 1.0 if cp is None else attention_share(cp, sizes.get(cp.axis, 1))
+
+
+def _context_axes(plan: Plan) -> set[str]:
+    return {plan.context.axis} if plan.context is not None else set()
+
+
 def _seq_axes(plan: Plan, mesh_shape: Mapping[str, int]) -> set[str]:
-    """Mesh axes a sequence-parallel plan splits the residual stream's sequence over."""
+    """Mesh axes a sequence-parallel or context-parallel plan splits the residual stream's sequence over."""
     entries = assign_by_rules((A.BATCH, A.SEQ, A.EMBED), plan.logical_rules())
     return {a for a in entries[1] if mesh_shape.get(a, 1) > 1}
 
 
 def _tokens_per_device(plan: Plan, mesh_shape: Mapping[str, int], workload: Workload) -> float:
-    ways = math.prod(mesh_shape[a] for a in plan.batch_axes if a in mesh_shape)
+    split = (*plan.batch_axes, *_context_axes(plan))
+    ways = math.prod(mesh_shape[a] for a in split if a in mesh_shape)
     return workload.tokens / ways
 
 
@@ -510,6 +523,59 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
     return totals.result()
 
 
+def context_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], workload: Workload) -> list[Traffic]:
+    """Context parallelism's own exchanges per step (see :mod:`spmd._context_parallel`), with ``T`` a device's
+    tokens and ``b`` the bytes of its keys and values of one layer (``key``/``value`` matmul outputs):
+
+    - ``allgather``: every layer all-gathers K and V (``c·b`` gathered) forward, and reduce-scatters their
+      gradients backward; a remat policy gathers them again in the backward pass;
+    - ``ring``: ``c − 1`` collective-permutes of K and V blocks (``b``) forward, as many of their gradients
+      backward (again forward under remat);
+    - ``alltoall``: Q, K, V and the output exchanged by all-to-all ((c−1)/c of each) forward and backward;
+    - load balancing: the tokens put in head-tail order once, and the residual stream (``T × width``) back in order
+      before the head, forward and backward, each in two collective-permutes of half a device's share.
+
+    >>> import spmd, strategies, optax, jax
+    >>> from spmd import models
+    >>> params = jax.eval_shape(models.get("gpt-tiny", layers=2).init, jax.random.key(0))
+    >>> plan, sizes = strategies.context_parallel(method="ring"), {"context": 4}
+    >>> layout = spmd.resolve_state(plan, params, optax.sgd(0.1), sizes)
+    >>> [(t.kind, t.count) for t in context_traffic(layout, plan, sizes, Workload(2, 32))]
+    [('collective-permute', 30)]
+    """
+    cp = plan.context
+    sizes = dict(mesh_shape)
+    if cp is None or sizes.get(cp.axis, 1) <= 1:
+        return []
+    c, axis = sizes[cp.axis], {cp.axis}
+    model_axes = {a for a in sizes if a not in plan.batch_axes and a != cp.axis}
+    tokens = _tokens_per_device(plan, sizes, workload)
+    found = {_output_name(m): m for m in matmuls(layout.params.leaves)}
+    totals = _Totals(sizes)
+    if "key_proj" in found and "value_proj" in found:
+        k, v, q = found["key_proj"], found["value_proj"], found.get("query_proj", found["key_proj"])
+        layers = k.layers
+        width = lambda m: m.local(m.out_dims, model_axes, sizes)  # noqa: E731
+        kv = tokens * (width(k) + width(v)) * workload.act_bytes
+        forwards = 2 if plan.remat else 1
+        if cp.method == "allgather":
+            totals.add("all-gather", axis, forwards * layers * c * kv, forwards * layers * 2)
+            totals.add("reduce-scatter", axis, layers * c * kv, layers * 2)
+        elif cp.method == "ring":
+            permutes = (forwards + 1) * layers * (c - 1)
+            totals.add("collective-permute", axis, permutes * kv, 2 * permutes)
+        else:
+            qo = 2 * tokens * width(q) * workload.act_bytes
+            totals.add("all-to-all", axis, (forwards + 1) * layers * (kv + qo), (forwards + 1) * layers * 4)
+    residual = [m for m in matmuls(layout.params.leaves) if m.writes_residual]
+    if cp.load_balance and residual:
+        d = math.prod(residual[0].row.shape[i] for i in residual[0].out_dims)
+        moving = sum(1 for moves in exchanges(c) if moves)  # of the two, the exchanges that move anything
+        totals.add("collective-permute", axis, moving * tokens / 2 * 4, moving)  # int32 tokens
+        totals.add("collective-permute", axis, 2 * moving * tokens / 2 * d * workload.act_bytes, 2 * moving)
+    return totals.result()
+
+
 def traffic(
     layout: Any,
     plan: Plan,
@@ -535,6 +601,7 @@ def traffic(
     parts = data_parallel_traffic(layout, plan, mesh_shape, stage_uses=stage_uses)
     if workload is not None:
         parts += activation_traffic(layout, plan, mesh_shape, workload)
+        parts += context_traffic(layout, plan, mesh_shape, workload)
     return merge_traffic(parts)
 
 
@@ -607,7 +674,7 @@ def flops_per_device(
         # Scores and their product with the values; a policy keeping no untagged matmul output recomputes the
         # scores (the probabilities are not kept), and the product unless attention's output is kept.
         passes = 3 + (plan.remat.recomputes(None) + plan.remat.recomputes("attn_out")) / 2
-        total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers
+        total += passes * 2 * 2 * tokens * workload.seq_len * width * m.layers * _attention_share(plan, sizes)
     return total
 
 
@@ -914,7 +981,11 @@ def estimate_layout(
     moved = contribution.traffic
     if moved is None:
         moved = data_parallel_traffic(layout, plan, mesh_shape)
-    moved = tuple(merge_traffic([*moved, *activation_traffic(layout, plan, mesh_shape, workload)]))
+    exchanged = [
+        *activation_traffic(layout, plan, mesh_shape, workload),
+        *context_traffic(layout, plan, mesh_shape, workload),
+    ]
+    moved = tuple(merge_traffic([*moved, *exchanged]))
     kept, host_acts, acts_moved = (
         contribution.activation_bytes,
         contribution.host_activation_bytes,

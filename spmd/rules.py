@@ -2,7 +2,8 @@
 
 Every part follows one protocol (:class:`Part`); a :class:`spmd.Plan` merges their :class:`Proposal` per
 dimension. ``PathRules`` match regexes on parameter paths, ``LogicalRules`` map flax logical names to mesh axes,
-``ShardLargest`` (FSDP and the ZeRO family) splits each large array on its largest free divisible dimension.
+``ShardLargest`` (FSDP and the ZeRO family) splits each large array on its largest free divisible dimension,
+``ContextParallel`` splits the sequence over a mesh axis and chooses how :func:`spmd.attention` crosses it.
 
 >>> from spmd import rules
 >>> import spmd
@@ -11,6 +12,7 @@ dimension. ``PathRules`` match regexes on parameter paths, ``LogicalRules`` map 
 'batch over replicated; my tensor parallelism'
 """
 
+from spmd._context_parallel import ContextParallel
 from spmd._offload import OFFLOADABLE, check_offload
 from spmd._rules import (
     ROLES,
@@ -32,6 +34,7 @@ from spmd._tree import Leaf, leaves_with_paths
 __all__ = [
     "OFFLOADABLE",
     "ROLES",
+    "ContextParallel",
     "Entries",
     "Leaf",
     "LogicalRules",

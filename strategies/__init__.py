@@ -21,6 +21,7 @@ from spmd import Plan, costmodel
 from spmd.devices import Profile
 from strategies import hetero
 from strategies.accumulate import accumulate
+from strategies.context import context_parallel
 from strategies.data_parallel import data_parallel
 from strategies.expert import expert_parallel
 from strategies.fsdp import fsdp
@@ -36,8 +37,10 @@ __all__ = [
     "CHOSEN",
     "REGISTRY",
     "Context",
+    "ContextOptions",
     "accumulate",
     "choose_tensor_2d",
+    "context_parallel",
     "data_parallel",
     "expert_parallel",
     "from_names",
@@ -141,6 +144,21 @@ class SubnetOptions:
     seed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextOptions:
+    """How ``cp`` splits the sequence over the ``context`` axis (see :func:`context_parallel`).
+
+    >>> from_names("dp+cp", {"data": 2, "context": 4}, context_options=ContextOptions("ring")).describe()
+    'batch over data; context parallel over context (ring, load-balanced)'
+    """
+
+    method: str = "allgather"
+    load_balance: bool = True
+
+
+CONTEXT_AXIS = "context"
+
+
 CHOSEN: dict[str, Callable[[Plan, Mapping[str, int], Context], Plan]] = {
     "tp2d": lambda base, mesh_axes, ctx: choose_tensor_2d(
         ctx.params, mesh_axes, ctx.workload, ctx.hardware, base=base, optimizer=ctx.optimizer
@@ -156,6 +174,7 @@ def from_names(
     context: Context | None = None,
     pipeline_options: PipelineOptions | None = None,
     subnet_options: SubnetOptions | None = None,
+    context_options: ContextOptions | None = None,
     block: int | None = None,
 ) -> Plan:
     """Composes registry strategies named like ``"dp+fsdp+tp"`` into one plan; names in :data:`CHOSEN` are
@@ -168,11 +187,11 @@ def from_names(
     'pipeline zb-h1 over stage (4 stages, 8 microbatches)'
     """
     names = [n.strip() for n in spec.split("+")]
-    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN and n not in ("pp", "sdp")]
+    unknown = [n for n in names if n not in REGISTRY and n not in CHOSEN and n not in ("pp", "sdp", "cp")]
     if unknown or not names:
         raise ValueError(
             f"--strategy {spec!r}: unknown strategy {unknown[0] if unknown else ''!r}; "
-            f"choose from {', '.join([*REGISTRY, 'pp', 'sdp', *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
+            f"choose from {', '.join([*REGISTRY, 'pp', 'sdp', 'cp', *CHOSEN])} joined with '+' (e.g. dp+fsdp+tp)"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"--strategy {spec!r}: a strategy appears twice; name each once")
@@ -182,6 +201,8 @@ def from_names(
             plan = plan + REGISTRY[name]()
     if "pp" in names:
         plan = plan + _pipeline(mesh_axes, pipeline_options or PipelineOptions())
+    if "cp" in names:
+        plan = plan + _context(mesh_axes, context_options or ContextOptions())
     if "sdp" in names:
         o = subnet_options or SubnetOptions()
         plan = plan + subnetwork_dp(coverage=o.coverage, granularity=o.granularity, masking=o.masking, seed=o.seed)
@@ -226,3 +247,13 @@ def _pipeline(mesh_axes: Mapping[str, int] | None, options: PipelineOptions) -> 
         axis=PIPELINE_AXIS,
         layers_per_stage=options.layers_per_stage,
     )
+
+
+def _context(mesh_axes: Mapping[str, int] | None, options: ContextOptions) -> Plan:
+    if mesh_axes is not None and CONTEXT_AXIS not in mesh_axes:
+        shown = ",".join(f"{k}={v}" for k, v in mesh_axes.items()) or "none given"
+        raise ValueError(
+            f"strategy cp splits the sequence over mesh axis {CONTEXT_AXIS!r}, but the mesh has only {shown}; add it "
+            f"(e.g. --mesh data=2,context=4)"
+        )
+    return context_parallel(axis=CONTEXT_AXIS, method=options.method, load_balance=options.load_balance)

@@ -72,31 +72,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def compositions(devices: int, *, max_tensor: int = 8) -> Iterator[tuple[dict[str, int], str]]:
+def compositions(
+    devices: int, *, max_tensor: int = 8, contexts: Sequence[int] = (1,)
+) -> Iterator[tuple[dict[str, int], str]]:
     """Every (mesh, strategy) tried for ``devices``: the data-parallel devices as one ``data`` axis (DP, ZeRO-1/2/3,
-    OSDP) or as ``data`` × ``fsdp`` (HSDP), times a ``tensor`` axis of up to ``max_tensor`` devices (tensor or
-    sequence parallel) placed innermost, on the fastest links.
+    OSDP) or as ``data`` × ``fsdp`` (HSDP), times a ``context`` axis of each size in ``contexts`` (the sequence
+    split over it, cp), times a ``tensor`` axis of up to ``max_tensor`` devices (tensor or sequence parallel)
+    placed innermost, on the fastest links, with the context axis next to it (its exchanges run every layer).
 
     >>> [s for m, s in compositions(4, max_tensor=2) if m.get("tensor", 1) == 2]
     ['dp+tp', 'dp+sp', 'zero1+tp', 'zero1+sp', 'zero2+tp', 'zero2+sp', 'zero3+tp', 'zero3+sp', 'osdp+tp', 'osdp+sp']
+    >>> [(m, s) for m, s in compositions(4, max_tensor=1, contexts=(2, 4)) if s in ("dp+cp", "cp")]
+    [({'data': 2, 'context': 2}, 'dp+cp'), ({'context': 4}, 'cp')]
     """
-    for tensor in _divisors(devices):
-        if tensor > max_tensor:
-            break
-        rest = devices // tensor
-        tails = [("tensor", tensor, t) for t in ("tp", "sp")] if tensor > 1 else [(None, 1, None)]
-        shapes: list[tuple[dict[str, int], list[str]]] = []
-        if rest > 1:
-            shapes.append(({"data": rest}, list(_DATA_STAGES)))
-            for fsdp in _divisors(rest)[1:-1]:
-                shapes.append(({"data": rest // fsdp, "fsdp": fsdp}, ["dp+fsdp"]))
-        elif tensor > 1:
-            shapes.append(({}, [""]))
-        for axes, stages in shapes:
-            for stage in stages:
-                for axis, size, tail in tails:
-                    mesh = dict(axes) | ({axis: size} if axis else {})
-                    yield mesh, "+".join(p for p in (stage, tail) if p)
+    for context in contexts:
+        for tensor in _divisors(devices // context if devices % context == 0 else 0):
+            if tensor > max_tensor:
+                break
+            yield from _compositions(devices // (context * tensor), context, tensor)
+
+
+def _compositions(rest: int, context: int, tensor: int) -> Iterator[tuple[dict[str, int], str]]:
+    """The compositions with ``rest`` data-parallel devices outside a ``context`` and a ``tensor`` axis."""
+    # sp splits the sequence over the tensor axis, which cp already splits over its own: only tp joins cp.
+    tails = [("tensor", tensor, t) for t in ("tp", "sp") if t == "tp" or context == 1] if tensor > 1 else []
+    tails = tails or [(None, 1, None)]
+    inner = {"context": context} if context > 1 else {}
+    cp = "cp" if context > 1 else None
+    shapes: list[tuple[dict[str, int], list[str]]] = []
+    if rest > 1:
+        shapes.append(({"data": rest}, list(_DATA_STAGES)))
+        for fsdp in _divisors(rest)[1:-1]:
+            shapes.append(({"data": rest // fsdp, "fsdp": fsdp}, ["dp+fsdp"]))
+    elif tensor > 1 or context > 1:
+        shapes.append(({}, [""]))
+    for axes, stages in shapes:
+        for stage in stages:
+            for axis, size, tail in tails:
+                mesh = dict(axes) | inner | ({axis: size} if axis else {})
+                yield mesh, "+".join(p for p in (stage, cp, tail) if p)
 
 
 def rank(
@@ -112,6 +126,7 @@ def rank(
     remats: Sequence[Remat | str] = (),
     accumulations: Sequence[int] = (1,),
     precisions: Sequence[Precision | None] = (None,),
+    contexts: Sequence[int] = (1,),
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
@@ -120,7 +135,9 @@ def rank(
     The training policies are searched with the strategies: each composition under its own remat policy and
     each of ``remats``, each of ``accumulations`` (microbatches per step) the batch divides into, and each of
     ``precisions``; among equally fast plans, fewer microbatches and less recompute first. Each layout is
-    resolved once: a policy changes what a device keeps, moves and computes, not where arrays live.
+    resolved once: a policy changes what a device keeps, moves and computes, not where arrays live. Each size
+    in ``contexts`` above 1 adds the compositions that split the sequence over a ``context`` axis (cp, with
+    head-tail load balancing: the sequence must split into two half-chunks per device).
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -132,11 +149,14 @@ def rank(
     """
     ctx = Context(params, workload, hardware, optimizer, memory_per_device)
     out, skipped = [], []
-    for mesh, strategy in compositions(devices, max_tensor=max_tensor):
+    for mesh, strategy in compositions(devices, max_tensor=max_tensor, contexts=contexts):
         shown = ",".join(f"{k}={v}" for k, v in mesh.items())
         ways = mesh.get("data", 1) * mesh.get("fsdp", 1)
         if workload.batch % ways:
             skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
+            continue
+        if workload.seq_len % (2 * mesh.get("context", 1)):
+            skipped.append(f"{strategy} on {shown}: {workload.seq_len} tokens do not split {2 * mesh['context']} ways")
             continue
         try:
             plan = from_names(strategy, mesh, context=ctx)

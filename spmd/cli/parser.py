@@ -31,7 +31,7 @@ DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+f
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
     "microbatch", "processes", "devices_per_process", "checkpoint_every", "microbatches", "virtual", "stages",
-    "accumulate",
+    "accumulate", "seq_len", "max_context",
 )  # fmt: skip
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators take 32-bit seeds
 MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program takes minutes to build
@@ -39,7 +39,11 @@ MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program ta
 _STRATEGY_FLAGS = (
     (("coverage", "granularity", "masking"), "sdp", "subnetwork data parallelism"),
     (("schedule", "microbatches", "virtual", "layers_per_stage"), "pp", "pipeline parallelism"),
+    (("cp_method", "no_load_balance"), "cp", "context parallelism"),
 )
+
+
+CP_METHODS = ("allgather", "ring", "alltoall")  # strategies.context_parallel's methods
 
 
 class UsageError(Exception):
@@ -139,6 +143,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--strategy", default="dp", help="registry names joined by '+', e.g. dp+fsdp+tp")
     p.add_argument("--layers", type=int, help="override the model's number of layers")
+    p.add_argument("--seq-len", type=int, help="sequence length of the built-in models' batches (positions extend)")
+    p.add_argument(
+        "--cp-method", choices=CP_METHODS, default="allgather", help="cp: how attention sees the whole sequence"
+    )
+    p.add_argument(
+        "--no-load-balance", action="store_true", help="cp: keep the sequence in order (no head-tail layout)"
+    )
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
     p.add_argument(
         "--offload",
@@ -193,6 +204,7 @@ def _compare_flags(compare: argparse.ArgumentParser, suggest: argparse.ArgumentP
     compare.add_argument("--plot", help="write a bar chart of memory and traffic to this PNG file")
     suggest.add_argument("--confirm", type=int, default=3, help="compile this many of the best plans that fit")
     suggest.add_argument("--max-tensor", type=int, default=8, help="largest tensor-parallel axis to try")
+    suggest.add_argument("--max-context", type=int, default=8, help="largest context axis (cp) to try; 1: none")
     suggest.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
 
 

@@ -24,7 +24,7 @@ from spmd.devices import Profile, parse_bytes
 from spmd.execution import PipelineSpec, Shares
 from spmd.pipeline import Schedule
 
-__all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg", "setup"]
+__all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg", "setup", "size_overrides"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +123,22 @@ def _offloaded_activations(remat: spmd.Remat | None) -> spmd.Remat:
     return remat
 
 
+def size_overrides(name: str, args: argparse.Namespace) -> dict[str, int]:
+    """The model sizes the command line overrides: ``--layers`` for any model, ``--seq-len`` for the built-in ones
+    (a user model's factory sets its own sequence length)."""
+    overrides = {"layers": args.layers} if getattr(args, "layers", None) else {}
+    if getattr(args, "seq_len", None):
+        if name not in models.BUILTIN:
+            raise UsageError(f"--seq-len applies to the built-in models; {name} sets its own sequence length")
+        overrides["seq_len"] = args.seq_len
+    return overrides
+
+
 def _load(name: str, args: argparse.Namespace, mesh: jax.sharding.Mesh) -> tuple[models.Model, Any]:
     """The model, and its parameters' shapes (planned once, for every use). A model that constrains a layout by a
     bare PartitionSpec needs a context mesh to be traced: it is loaded again under this run's (over Auto axes)."""
 
-    overrides = {"layers": args.layers} if getattr(args, "layers", None) else {}
+    overrides = size_overrides(name, args)
     if getattr(args, "precision", "fp32") == "bf16" and name in models.BUILTIN:
         # The built-in models cast their kernels to their own dtype: under a float32 config flax would widen
         # the bf16 parameters again, undoing the saving. A user model keeps the dtype its factory gives it.
@@ -174,12 +185,16 @@ def _plan(
     subnet = None
     if hasattr(args, "coverage"):
         subnet = strategies.SubnetOptions(args.coverage, args.granularity, args.masking, args.seed)
+    cp = None
+    if hasattr(args, "cp_method"):
+        cp = strategies.ContextOptions(args.cp_method, not args.no_load_balance)
     plan = strategies.from_names(
         strategy,
         dict(mesh.shape),
         context=context,
         pipeline_options=options,
         subnet_options=subnet,
+        context_options=cp,
         block=getattr(args, "block", None),
     )
     if getattr(args, "precision", "fp32") == "bf16":

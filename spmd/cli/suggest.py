@@ -13,7 +13,7 @@ import spmd
 from spmd import costmodel, models
 from spmd.cli.common import console as make_console
 from spmd.cli.common import dumps
-from spmd.cli.setup import hardware_of, optimizer_of
+from spmd.cli.setup import hardware_of, optimizer_of, size_overrides
 from strategies import suggest as search
 
 __all__ = ["command"]
@@ -24,7 +24,8 @@ _PRECISIONS = {"fp32": (None,), "bf16": (_BF16,), "any": (None, _BF16)}
 
 def command(args: argparse.Namespace) -> int:
     devices = len(jax.devices())
-    model = models.get(args.model, **({"layers": args.layers} if args.layers else {}))
+    sizes = size_overrides(args.model, args)
+    model = models.get(args.model, **sizes)
     params = jax.eval_shape(model.init, jax.random.key(args.seed))
     hardware, optimizer, budget = hardware_of(args), optimizer_of(args), args.memory_per_device
     workload = costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len)
@@ -36,6 +37,8 @@ def command(args: argparse.Namespace) -> int:
         memory_per_device=budget,
         optimizer=optimizer,
         max_tensor=args.max_tensor,
+        # A context axis splits the sequence (cp): every size the devices and the sequence's half-chunks allow.
+        contexts=[c for c in range(1, min(args.max_context, devices) + 1) if devices % c == 0],
         remat=args.remat,
         # The policies are searched with the strategies: every remat policy (unless --remat fixes one), up to 8
         # microbatches per step, and bf16 only where asked for, since it changes the numbers a step computes.
@@ -51,7 +54,7 @@ def command(args: argparse.Namespace) -> int:
         built = model
         if args.model in models.BUILTIN:  # as run builds it: the plan's remat policy, bf16 under bf16
             bf16 = {"dtype": jnp.bfloat16} if plan.precision is not None else {}
-            built = models.get(args.model, **({"layers": args.layers} if args.layers else {}), **bf16)
+            built = models.get(args.model, **sizes, **bf16)
             built = models.rematerialised(built, plan.remat) if plan.remat else built
         mesh = spmd.make_mesh(mesh_axes, explicit=args.axis_types == "explicit")
         step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params)
@@ -109,6 +112,8 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
         parts.append(f"--devices {args.devices}")
     if args.layers:
         parts.append(f"--layers {args.layers}")
+    if args.seq_len:
+        parts.append(f"--seq-len {args.seq_len}")
     if args.device_kind:  # the cost model's device, which chooses osdp's layout
         parts.append(f"--device-kind {args.device_kind}")
     parts.append(f"--batch-size {args.batch_size} --memory-per-device {args.memory_per_device}")

@@ -45,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
+from spmd._context_parallel import attention, balance_sequence, restore_sequence, sequence_positions
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 
@@ -68,19 +69,13 @@ def _named(init: Callable, names: Sequence[str]) -> Callable:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention over ``[batch, seq, heads, head_dim]`` inputs; scores and softmax in float32.
+    Under a context-parallel plan it runs across the context axis (:func:`spmd.attention`).
 
     >>> x = jnp.ones((1, 3, 2, 4))
     >>> causal_attention(x, x, x).shape
     (1, 3, 2, 4)
     """
-    seq = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    # finfo.min rather than -inf: a fully masked row cannot happen here, but -inf would turn one into NaNs.
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return attention(q, k, v)
 
 
 def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
@@ -248,13 +243,14 @@ class GPT(nn.Module):
         c = self.config
         seq = tokens.shape[-1]
         _check_length(c, seq)
-        x = _token_embed(c)(tokens)
-        positions = _position_embed(c)(jnp.arange(seq))
+        # Under a load-balanced context-parallel plan the blocks see the sequence in head-tail order.
+        x = _token_embed(c)(balance_sequence(tokens))
+        positions = _position_embed(c)(sequence_positions(seq))
         x = constrain(x + positions[None], RESIDUAL)
 
         x, _ = scanned(Block, c)(c, name="layers")(x)
 
-        x = _layer_norm(c, "ln_f")(x)
+        x = _layer_norm(c, "ln_f")(restore_sequence(x))
         return constrain(_lm_head(c)(x), LOGITS)
 
 
@@ -265,8 +261,8 @@ def staged(c: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) -> St
     def embed(params: Any, batch: Any) -> jax.Array:
         p, tokens = params["params"], batch["tokens"]
         _check_length(c, tokens.shape[-1])
-        x = _token_embed(c).apply({"params": p["embed"]}, tokens)
-        positions = _position_embed(c).apply({"params": p["pos_embed"]}, jnp.arange(tokens.shape[-1]))
+        x = _token_embed(c).apply({"params": p["embed"]}, balance_sequence(tokens))
+        positions = _position_embed(c).apply({"params": p["pos_embed"]}, sequence_positions(tokens.shape[-1]))
         return constrain(x + positions[None], RESIDUAL)
 
     def layer(layer_params: Any, x: jax.Array) -> jax.Array:
@@ -274,7 +270,7 @@ def staged(c: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) -> St
 
     def head_loss(params: Any, x: jax.Array, batch: Any) -> jax.Array:
         p = params["params"]
-        x = _layer_norm(c, "ln_f").apply({"params": p["ln_f"]}, x)
+        x = _layer_norm(c, "ln_f").apply({"params": p["ln_f"]}, restore_sequence(x))
         logits = constrain(_lm_head(c).apply({"params": p["lm_head"]}, x), LOGITS)
         return loss(logits, batch["tokens"])
 

@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
+from spmd._context_parallel import balance_sequence, restore_sequence, sequence_positions
 from spmd._pipeline import StagedModel
 from spmd._remat import Remat
 from spmd.models.config import LMConfig
@@ -205,9 +206,10 @@ class GPT(nnx.Module):
         if seq > c.seq_len:
             # The position table has seq_len rows; an out-of-range lookup would silently give NaNs.
             raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
-        x = constrain(self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None], RESIDUAL)
-        x = _scan_blocks(c.remat)(x, self.layers)
-        x = self.ln_f(x)
+        # Under a load-balanced context-parallel plan the blocks see the sequence in head-tail order.
+        x = self.embed(balance_sequence(tokens)) + self.pos_embed(sequence_positions(seq))[None]
+        x = _scan_blocks(c.remat)(constrain(x, RESIDUAL), self.layers)
+        x = self.ln_f(restore_sequence(x))
         # Under a remat policy the head is rematerialised too (see the linen GPT).
         logits = _head(c.remat)(self.lm_head, x)
         return constrain(logits, LOGITS)
@@ -236,7 +238,7 @@ def staged(config: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) 
         seq = tokens.shape[-1]
         if seq > c.seq_len:
             raise ValueError(f"GPT: sequence length {seq} exceeds config.seq_len {c.seq_len}")
-        x = embed_(p["embed"])(tokens) + pos_embed_(p["pos_embed"])(jnp.arange(seq))[None]
+        x = embed_(p["embed"])(balance_sequence(tokens)) + pos_embed_(p["pos_embed"])(sequence_positions(seq))[None]
         return constrain(x, RESIDUAL)
 
     def layer(layer_params: dict, x: jax.Array) -> jax.Array:
@@ -244,7 +246,7 @@ def staged(config: LMConfig, loss: Callable[[jax.Array, jax.Array], jax.Array]) 
 
     def head_loss(params: dict, x: jax.Array, batch: dict) -> jax.Array:
         p = params["params"]
-        logits = constrain(lm_head_(p["lm_head"])(ln_f_(p["ln_f"])(x)), LOGITS)
+        logits = constrain(lm_head_(p["lm_head"])(ln_f_(p["ln_f"])(restore_sequence(x))), LOGITS)
         return loss(logits, batch["tokens"])
 
     return StagedModel(embed=embed, layer=layer, loss=head_loss, activation_names=RESIDUAL)

@@ -1,0 +1,256 @@
+"""Context parallelism: the sequence split over a ``context`` axis, attention across it by all-gather, ring or
+all-to-all, head-tail load balancing; training equal to one device, the cost model against the compiled program."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import spmd
+import strategies
+from spmd import costmodel, data, models
+from spmd._context_parallel import MASKED, SKIP, attention_share, block_kinds, causal_attention, halves
+from tests.conftest import assert_trees_close, run_cli, train_steps
+
+METHODS = ("allgather", "ring", "alltoall")
+
+
+def _sharded_attention(plan, mesh, q, k, v):
+    """``spmd.attention`` under ``plan``, the sequence balanced before and restored after as a model does."""
+
+    def f(q, k, v):
+        with spmd.activate(plan, mesh):
+            q, k, v = (spmd.balance_sequence(x) for x in (q, k, v))
+            return spmd.restore_sequence(spmd.attention(q, k, v))
+
+    sharding = jax.sharding.NamedSharding(mesh, plan.batch_spec(4))
+    return f, [jax.device_put(x, sharding) for x in (q, k, v)]
+
+
+SHAPES = {"context4": {"data": 2, "context": 4}, "context2-tensor2": {"data": 2, "context": 2, "tensor": 2}}
+ATTENTION_CASES = [
+    pytest.param(method, balanced, shape, id=f"{name}-{method}-{'balanced' if balanced else 'in-order'}",
+                 marks=() if balanced and name == "context4" else (pytest.mark.slow,))
+    for name, shape in SHAPES.items() for method in METHODS for balanced in (True, False)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "balanced", "shape"), ATTENTION_CASES)
+def test_attention_and_its_gradients_equal_one_device(method, balanced, shape):
+    mesh = spmd.make_mesh(shape)
+    plan = strategies.context_parallel(method=method, load_balance=balanced)
+    plan = plan + strategies.data_parallel() + (strategies.tensor_parallel() if "tensor" in shape else spmd.Plan())
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 4, 8)), jnp.float32) for _ in range(3))
+    f, placed = _sharded_attention(plan, mesh, q, k, v)
+    np.testing.assert_allclose(jax.jit(f)(*placed), causal_attention(q, k, v), atol=1e-5)
+
+    def loss(attend):
+        return lambda q, k, v: (attend(q, k, v) ** 2 * jnp.arange(16)[None, :, None, None]).sum()
+
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*placed)
+    want = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ways", [2, 4, 8])
+def test_the_block_table_is_the_causal_mask_and_balances_it(ways):
+    """Each block's kind is what the mask says of its positions; head-tail makes every device's work equal
+    (2c + 1 of its 4c blocks), in order the last device does 4c − 1."""
+    length, h = 4 * ways, 2  # half-chunks of 2 positions
+    mask = np.tril(np.ones((length, length), bool))
+    for balanced in (True, False):
+        for ring in (True, False):
+            kinds = block_kinds(ways, balanced, ring=ring)
+            for d in range(ways):
+                for t in range(ways):
+                    src = (d - t) % ways if ring else t
+                    for a, qh in enumerate(halves(d, ways, balanced)):
+                        for b, kh in enumerate(halves(src, ways, balanced)):
+                            block = mask[qh * h : (qh + 1) * h, kh * h : (kh + 1) * h]
+                            expected = SKIP if not block.any() else MASKED if not block.all() else 2
+                            assert kinds[d, t, a, b] == expected
+            work = (kinds != SKIP).sum(axis=(1, 2, 3))
+            if balanced:
+                assert set(work.tolist()) == {2 * ways + 1}
+            else:
+                assert work.max() == 4 * ways - 1 and work.min() == 3
+    assert attention_share(strategies.context_parallel().context, ways) == (2 * ways + 1) / (4 * ways)
+
+
+def _steps(plan, shape, model, batch=2):
+    mesh = spmd.make_mesh(shape, devices=jax.devices()[: int(np.prod(list(shape.values())))])
+    return train_steps(model, plan, mesh, steps=2, batch_size=batch)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "method"),
+    [
+        ("dp+cp", "allgather"),
+        *(pytest.param("dp+cp", m, marks=pytest.mark.slow) for m in ("ring", "alltoall")),
+        pytest.param("zero3+cp", "ring", marks=pytest.mark.slow),
+    ],
+)
+def test_dp_cp_trains_like_one_device_with_a_batch_smaller_than_the_devices(strategy, method):
+    model = models.get("gpt-tiny", layers=2)
+    options = strategies.ContextOptions(method)
+    plan = strategies.from_names(strategy, {"data": 2, "context": 4}, context_options=options)
+    losses, state, _ = _steps(plan, {"data": 2, "context": 4}, model)
+    ref_losses, ref, _ = _steps(spmd.Plan(), {"data": 1}, model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["gpt-tiny", "gpt-tiny-nnx"])
+def test_fsdp_tp_cp_trains_like_one_device(method, kind):
+    model = models.get(kind, layers=2)
+    shape = {"fsdp": 2, "context": 2, "tensor": 2}
+    plan = strategies.from_names("fsdp+tp+cp", shape, context_options=strategies.ContextOptions(method))
+    losses, state, _ = _steps(plan, shape, model, batch=4)
+    ref_losses, ref, _ = _steps(spmd.Plan(), {"data": 1}, model, batch=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)
+
+
+class _OwnAttention(nn.Module):
+    """A user's attention: their own projections, spmd.attention in place of the softmax."""
+
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        b, s, d = x.shape
+        q, k, v = (nn.DenseGeneral((self.heads, d // self.heads), name=n)(x) for n in ("q", "k", "v"))
+        return nn.DenseGeneral(d, axis=(-2, -1), name="o")(spmd.attention(q, k, v))
+
+
+class _OwnLM(nn.Module):
+    balance: bool = True
+
+    @nn.compact
+    def __call__(self, tokens):
+        order = spmd.balance_sequence if self.balance else (lambda t: t)
+        x = nn.Embed(64, 32)(order(tokens)) + nn.Embed(16, 32)(spmd.sequence_positions(tokens.shape[1]))
+        x = x + _OwnAttention()(nn.LayerNorm()(x))
+        return nn.Dense(64)(spmd.restore_sequence(x) if self.balance else x)
+
+
+def test_a_users_attention_module_trains_like_one_device_and_must_restore_its_order():
+    model = models.from_module(_OwnLM(), name="own", config=models.LMConfig(vocab=64, seq_len=16))
+    shape = {"data": 2, "context": 4}
+    plan = strategies.data_parallel() + strategies.context_parallel(method="ring")
+    losses, state, _ = _steps(plan, shape, model)
+    ref_losses, ref, _ = _steps(spmd.Plan(), {"data": 1}, model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state.params, ref.params)
+
+    unbalanced = models.from_module(_OwnLM(balance=False), name="own", config=models.LMConfig(vocab=64, seq_len=16))
+    with pytest.raises(spmd.PlanError, match="did not put its sequence in head-tail order"):
+        _steps(plan, shape, unbalanced)
+
+
+def _plan_json(capsys, method, mesh="data=2,context=4", strategy="dp+cp", *extra):
+    code, out, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--layers", "2", "--mesh", mesh, "--strategy", strategy,
+        "--cp-method", method, "--batch-size", "2", "--json", *extra,
+    )  # fmt: skip
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _over_context(rows):
+    return sum(c["traffic_bytes"] for c in rows if c["axes"] == ["context"])
+
+
+@pytest.mark.parametrize("method", ["ring", *(pytest.param(m, marks=pytest.mark.slow) for m in METHODS[::2])])
+def test_compiled_traffic_and_flops_over_context_are_the_cost_models(capsys, method):
+    report = _plan_json(capsys, method)
+    kinds = {c["kind"] for c in report["collectives"] if c["axes"] == ["context"]}
+    assert {"allgather": "all-gather", "ring": "collective-permute", "alltoall": "all-to-all"}[method] in kinds
+    ratio = _over_context(report["collectives"]) / _over_context(report["analytic_collectives"])
+    assert 0.9 <= ratio <= 1.1, ratio
+    flops = report["compiled_flops_per_device"] / report["flops_per_device"]
+    assert 0.95 <= flops <= 1.05, flops
+
+
+@pytest.mark.slow
+def test_load_balancing_halves_the_busiest_devices_attention_in_the_compiled_program(capsys):
+    """The compiled program's matmul FLOPs on the busiest device (the block switch weighted by its table) fall
+    with head-tail order by what the table says: (2c+1)/(4c−1) of the attention products."""
+    balanced, in_order = (
+        _plan_json(capsys, "ring"),
+        _plan_json(capsys, "ring", "data=2,context=4", "dp+cp", "--no-load-balance"),
+    )
+    drop = in_order["compiled_flops_per_device"] - balanced["compiled_flops_per_device"]
+    assert drop > 0
+    assert drop == pytest.approx(in_order["flops_per_device"] - balanced["flops_per_device"], rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mesh", "data=2,context=4", "--seq-len", "36"], "not divisible by 8"),
+        (["--mesh", "data=8"], "mesh axis 'context'"),
+        (["--mesh", "data=2,context=4", "--cp-method", "zigzag"], "invalid choice"),
+        (["--mesh", "context=8", "--cp-method", "alltoall"], "splits the heads"),
+        (["--mesh", "data=2,context=2,tensor=2", "--strategy", "dp+cp+sp"], "use tp rather than sp with cp"),
+    ],
+)
+def test_bad_context_parallel_input_exits_2_with_one_line(capsys, args, message):
+    strategy = "dp+cp" if "data=" in args[1] else "cp"
+    code, out, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--layers", "1", "--strategy", strategy, "--batch-size", "2", *args
+    )
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_pipeline_refuses_context_parallelism(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", "stage=2,context=4", "--strategy", "pp+cp")
+    assert code == 2 and "does not compose with pipeline" in err
+
+
+@pytest.mark.slow
+def test_long_sequences_temporaries_fall_with_the_context_axis():
+    """gpt-tiny at 2048 tokens, batch 1: per-device temporaries on context=8 at most 0.3× one device's."""
+    model = models.get("gpt-tiny", seq_len=2048, layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    batch = data.batch(0, 0, 1, 2048, model.config.vocab)
+
+    def temp(plan, size):
+        mesh = spmd.make_mesh({"context": size}, devices=jax.devices()[:size])
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params)
+        return spmd.report(step, batch).compiled_memory["temp_bytes"]
+
+    assert temp(strategies.context_parallel(), 8) <= 0.3 * temp(spmd.Plan(), 1)
+
+
+def test_the_cost_model_splits_activations_and_attention_over_the_context_axis():
+    params = jax.eval_shape(models.get("gpt-tiny", layers=2).init, jax.random.key(0))
+    workload = costmodel.Workload(batch=2, seq_len=32)
+    options = {"optimizer": optax.sgd(0.1), "hardware": costmodel.HARDWARE["h100"]}
+    one = costmodel.estimate(spmd.Plan(), params, {"data": 1}, workload, **options)
+    four = costmodel.estimate(strategies.context_parallel(), params, {"context": 4}, workload, **options)
+    assert four.activation_bytes == pytest.approx(one.activation_bytes / 4, rel=0.05)
+    assert four.flops < one.flops / 4
+
+
+def test_suggest_splits_the_sequence_of_a_batch_too_small_for_the_devices(capsys):
+    """One sequence of 1024 tokens on 8 devices: no data-parallel plan can split it; suggest splits the sequence
+    over a context axis, and the pick compiles within the budget. Without context axes it finds no plan."""
+    args = ("suggest", "--model", "gpt-tiny", "--layers", "1", "--batch-size", "1", "--seq-len", "1024",
+            "--memory-per-device", "64MiB", "--confirm", "1", "--json")  # fmt: skip
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    found = json.loads(out)
+    assert "cp" in found["pick"]["strategy"].split("+") and found["pick"]["mesh"].get("context", 1) > 1
+    assert found["pick"]["confirmed"]
+    assert any("batch 1 does not split" in s for s in found["skipped"])
+    code, _, err = run_cli(capsys, *args, "--max-context", "1")
+    assert code == 2 and "no plan could be built" in err and "batch 1 does not split" in err
