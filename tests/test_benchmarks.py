@@ -165,3 +165,19 @@ def test_precision_script():
         assert fp32 == 1.0 and zero == 1.0, (stage, cells)  # the fp32 table, and ZeRO's arrangement exactly
         assert ours == 1.0 if stage in ("dp", "zero3") else ours > 1.0, (stage, cells)
     assert 0.45 <= float(rows["zero3"][4]) <= 0.55, out  # the gathers move bf16
+
+
+@pytest.mark.slow
+def test_context_script():
+    out = run_script("context.py", "--sizes", "1,2,4", "--layers", "1", "--seq-len", "256")
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows][:4] == [
+        ("1", "-"),
+        ("2", "allgather"),
+        ("2", "ring"),
+        ("2", "alltoall"),
+    ]
+    for row in rows[1:]:
+        traffic, flops, balanced = (float(row[i]) for i in (6, 7, 8))
+        assert 0.9 <= traffic <= 1.1 and 0.9 <= flops <= 1.1 and balanced == 1.0, row
+    assert float(rows[-2][3]) < 1.0, out  # c=4 ring: temporaries below one device's
