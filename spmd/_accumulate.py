@@ -243,13 +243,15 @@ def _scan(
 
 def _scanned(value_and_grad: Callable, task: Task, k: int, *, splits: bool) -> Callable:
     """The generic accumulation: a scan over the executor's own ``value_and_grad`` (its reductions inside)."""
-    spec = task.plan.batch_spec(2) if splits else PartitionSpec()
-    # Over the scan's microbatch dimension, each microbatch's rows keep the batch's layout.
-    sharding = NamedSharding(task.mesh, PartitionSpec(None, *spec[:1]))
+
+    # Over the scan's microbatch dimension, each microbatch keeps the batch's layout (its rows, and under
+    # context parallelism its sequence).
+    def sharding(x: jax.Array) -> NamedSharding:
+        return NamedSharding(task.mesh, PartitionSpec(None, *(task.plan.batch_spec(x.ndim) if splits else ())))
 
     def run(params: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
         _check(batch, k, task, splits)
-        micro = jax.lax.with_sharding_constraint(microbatches(batch, k), jax.tree.map(lambda _: sharding, batch))
+        micro = jax.lax.with_sharding_constraint(microbatches(batch, k), jax.tree.map(sharding, batch))
         total, acc, shapes = _scan(value_and_grad, params, micro, draw, k)
         grads = jax.tree.map(lambda a, g: (a / k).astype(_result_dtype(task, g)), acc, shapes)
         return (total / k).astype(jnp.float32), grads

@@ -3,7 +3,7 @@
 A plan part (:class:`ContextParallel`) maps the activations' ``seq`` dimension to the ``context`` axis, so every
 position-wise computation (embeddings, norms, MLPs, projections) works on its own slice of the sequence, and
 :func:`attention` computes causal self-attention across the slices inside a ``jax.shard_map`` manual over the
-context axis alone (batch, FSDP and tensor axes stay automatic):
+axes the activation is laid out on (the batch's, the context axis, the heads'), each device on its own part:
 
 - ``allgather``: each device gathers the whole sequence's keys and values (Levanter, MaxText's default);
 - ``ring``: key/value blocks travel around the ring in ``c − 1`` steps, each step sending the next block before
@@ -108,19 +108,34 @@ class ContextParallel:
         kinds = block_kinds(ways, self.load_balance, ring=self.method == "ring")
         return [int(n) for n in (kinds != SKIP).sum(axis=(1, 2, 3))]
 
+    def pieces(self, ways: int) -> tuple[int, str]:
+        """What the sequence must split into over ``ways`` devices, and why: two half-chunks a device for
+        load balancing or for the blockwise attention (allgather, ring); one chunk for in-order Ulysses.
+
+        >>> ContextParallel().pieces(4), ContextParallel("context", "alltoall", False).pieces(4)
+        ((8, ' (2 half-chunks a device, for load balancing)'), (4, ''))
+        """
+        if self.load_balance:
+            return 2 * ways, " (2 half-chunks a device, for load balancing)"
+        if self.method != "alltoall":
+            return 2 * ways, f" (2 half-chunks a device, the blocks of {self.method} attention)"
+        return ways, ""
+
+    def check_length(self, length: int, ways: int, what: str) -> None:
+        """Raises unless a sequence of ``length`` splits into :meth:`pieces`."""
+        pieces, why = self.pieces(ways)
+        if length % pieces:
+            raise PlanError(
+                f"{what}: sequence length {length} is not divisible by {pieces}: the {self.axis} axis's {ways} "
+                f"devices{why}; make the sequence length a multiple of {pieces} (--seq-len)"
+            )
+
     def check_batch(self, batch: Any, sizes: Mapping[str, int]) -> None:
-        """Raises unless every batch array's sequence (dimension 1) splits over the axis (into ``2·c``
-        half-chunks with ``load_balance``)."""
-        ways = sizes.get(self.axis, 1) * (2 if self.load_balance else 1)
+        """Raises unless every batch array's sequence (dimension 1) splits over the axis (see :meth:`pieces`)."""
         for x in jax.tree.leaves(batch):
             shape = tuple(getattr(x, "shape", np.shape(x)))
-            if len(shape) > 1 and shape[1] % ways:
-                halves = " (2 half-chunks a device, for load balancing)" if self.load_balance else ""
-                raise PlanError(
-                    f"context_parallel: a batch of shape {shape} has sequence length {shape[1]}, not divisible by "
-                    f"{ways}: the {self.axis} axis's {sizes[self.axis]} devices{halves}; make the sequence length "
-                    f"a multiple of {ways} (--seq-len)"
-                )
+            if len(shape) > 1:
+                self.check_length(shape[1], sizes.get(self.axis, 1), f"context_parallel: a batch of shape {shape}")
 
     def describe(self) -> str:
         balanced = ", load-balanced" if self.load_balance else ""
@@ -197,11 +212,15 @@ def attention_share(part: ContextParallel, ways: int) -> float:
     return float(np.mean(_busiest(part, ways) != SKIP))
 
 
-def context_part(parts: tuple[Any, ...], execution: Any) -> ContextParallel | None:
+def context_part(parts: tuple[Any, ...], execution: Any, batch_axes: tuple[str, ...] = ()) -> ContextParallel | None:
     """A plan's context-parallel part, or None; a plan has one at most, no other part splitting the sequence,
-    and none under an execution mode: each
-    device runs its own action there in a per-device branch (a pipeline's F, B, W; a subnetwork's part), and the
-    sequence's exchanges inside one would need every device of the program to reach them.
+    and its axis does not split the batch.
+
+    Of the execution modes only a pipeline takes it, and not by ring: each device runs its own action of a tick
+    in a per-device branch (a pipeline's F, B, W; an uneven share's or a subnetwork's part), where a collective
+    completes only if every device it names reaches it. All-gathers, all-to-alls and reductions name the
+    context axis's devices of one stage, which run the same action together; a collective-permute names every
+    stage's pairs in one instruction, so the ring's would wait for stages running another action.
 
     >>> context_part((ContextParallel(),), None).describe()
     'context parallel over context (allgather, load-balanced)'
@@ -217,10 +236,22 @@ def context_part(parts: tuple[Any, ...], execution: Any) -> ContextParallel | No
             f"{found[0].describe()} and {others[0].describe()} both split the sequence; use tp rather than sp "
             f"with cp (the context axis splits the sequence everywhere, the residual stream too)"
         )
-    if found and execution is not None:
+    if found and found[0].axis in batch_axes:
+        raise PlanError(
+            f"{found[0].describe()}: the batch is split over {found[0].axis!r} too (batch axes "
+            f"{list(batch_axes)}), and an axis splits the batch or the sequence, not both; split the batch "
+            f"over another axis (fsdp over its own axis, e.g. --mesh fsdp=2,context=4)"
+        )
+    if found and execution is not None and not execution.takes_context:
         raise PlanError(
             f"{found[0].describe()} does not compose with {execution.describe()}: its exchanges would run inside "
             f"per-device branches; split the sequence without the execution mode, or remove cp"
+        )
+    if found and execution is not None and found[0].method == "ring":
+        raise PlanError(
+            f"{found[0].describe()} does not compose with {execution.describe()}: the ring's collective-permutes "
+            f"would run inside the stages' per-device branches, each waiting for stages that run another action; "
+            f"use --cp-method allgather or alltoall with a pipeline"
         )
     return found[0] if found else None
 
@@ -253,7 +284,17 @@ def _manual(names: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[Any,
     manual = set() if context.empty else set(context.manual_axes)
     local = {a: 1 if a in manual else n for a, n in mesh.shape.items()}
     spec = plan.activation_spec(names, shape, local)
+    # An enclosing shard_map's axes (the batch's under gradient accumulation) are already this device's part.
+    kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) or None  # noqa: E731
+    spec = P(*[kept(entry) for entry in spec])
     return (mesh if context.empty else context), spec
+
+
+def _in_branches() -> bool:
+    """Whether the active plan runs its model inside per-device branches (an execution mode: a pipeline)."""
+    from spmd._context import active
+
+    return active()[0].execution is not None
 
 
 def _axes_of(spec: P) -> set[str]:
@@ -266,14 +307,6 @@ def _balanced() -> tuple[ContextParallel, Any, int] | None:
 
 
 # ---------------------------------------------------------------------------------------------- sequence order
-def _check_split(length: int, ways: int, what: str) -> None:
-    if length % (2 * ways):
-        raise PlanError(
-            f"{what}: sequence length {length} does not split into 2 × {ways} half-chunks for the context axis's "
-            f"load balancing; make it a multiple of {2 * ways} (--seq-len), or load_balance=False"
-        )
-
-
 def exchanges(ways: int) -> list[list[tuple[int, int]]]:
     """The two exchanges that put a sequence in head-tail order: half-chunk ``m`` moves from device ``m // 2``
     (consecutive order) to ``min(m, 2c − 1 − m)``; each device holds one even and one odd half-chunk in both
@@ -289,8 +322,10 @@ def exchanges(ways: int) -> list[list[tuple[int, int]]]:
 def _moved(x: jax.Array, dim: int, restore: bool) -> jax.Array:
     """``x``'s sequence (``dim``, split over the context axis) moved between consecutive and head-tail order."""
     part, _, ways = _balanced()
-    _check_split(x.shape[dim], ways, "spmd.balance_sequence")
+    part.check_length(x.shape[dim], ways, "spmd.balance_sequence")
     note_order(restored=restore)
+    if _in_branches():
+        return _moved_by_gather(x, dim, restore, part.axis, ways)
     pairs = exchanges(ways)
     if restore:
         pairs = [[(b, a) for a, b in exchange] for exchange in pairs]
@@ -305,6 +340,23 @@ def _moved(x: jax.Array, dim: int, restore: bool) -> jax.Array:
         kept = lambda half, moves: jnp.where(_sends(me, moves), jax.lax.ppermute(half, part.axis, moves), half)  # noqa: E731
         moved = jnp.concatenate([kept(even_half, pairs[0]), kept(odd_half, pairs[1])], dim)
         return moved if restore else swapped(moved)
+
+    names = tuple(A.BATCH if d == 0 and dim > 0 else A.SEQ if d == dim else None for d in range(x.ndim))
+    mesh, spec = _manual(names, x.shape)
+    run = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=_axes_of(spec), check_vma=False)
+    return run(x)
+
+
+def _moved_by_gather(x: jax.Array, dim: int, restore: bool, axis: str, ways: int) -> jax.Array:
+    """:func:`_moved` by one all-gather over ``axis`` and a local take, for a sequence moved inside per-device
+    branches (see :func:`context_part`): the gather names one stage's devices, the two exchanges' permutes every
+    stage's. It moves (c − 1)/c of the sequence where the exchanges move at most half of it."""
+    laid_out = order(x.shape[dim], ways, True)  # laid-out position i holds original position laid_out[i]
+    table = (np.argsort(laid_out) if restore else laid_out).reshape(ways, -1)
+
+    def body(local: jax.Array) -> jax.Array:
+        whole = jax.lax.all_gather(local, axis, axis=dim, tiled=True)
+        return jnp.take(whole, jnp.asarray(table)[jax.lax.axis_index(axis)], axis=dim)
 
     names = tuple(A.BATCH if d == 0 and dim > 0 else A.SEQ if d == dim else None for d in range(x.ndim))
     mesh, spec = _manual(names, x.shape)
@@ -362,7 +414,7 @@ def sequence_positions(length: int) -> jax.Array:
     current = _balanced()
     if current is None:
         return jnp.arange(length)
-    _check_split(length, current[2], "spmd.sequence_positions")
+    current[0].check_length(length, current[2], "spmd.sequence_positions")
     return jnp.asarray(order(length, current[2], True))
 
 
@@ -483,18 +535,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return causal_attention(q, k, v)
     part, _, ways = current
     length = q.shape[1]
+    part.check_length(length, ways, "spmd.attention")
     if part.load_balance:
-        _check_split(length, ways, "spmd.attention")
-        order = current_order()
-        if order is not None and order.balanced == 0:
+        tracked = current_order()
+        if tracked is not None and tracked.balanced == 0:
             raise PlanError(
                 "spmd.attention: the plan's context parallelism is load-balanced, but the model did not put its "
                 "sequence in head-tail order: call spmd.balance_sequence on the tokens before the first attention "
                 "(positions from spmd.sequence_positions) and spmd.restore_sequence before the loss, or use "
                 "context_parallel(load_balance=False)"
             )
-    elif length % (2 * ways):
-        _check_split(length, ways, "spmd.attention")
     mesh, spec = _manual((A.BATCH, A.SEQ, A.HEADS, A.HEAD_DIM), q.shape)
     heads = q.shape[2] // math.prod(mesh.shape[a] for a in _axes_of(P(spec[2])))
     if part.method == "alltoall" and heads % ways:

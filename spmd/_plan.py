@@ -80,7 +80,7 @@ class Plan:
         check_accumulate(self.accumulate, "Plan(accumulate=...)")
         object.__setattr__(self, "remat", Remat.of(self.remat))  # bools and strings, as plans took before
         object.__setattr__(self, "offload", check_offload(self.offload))
-        context_part(self.parts, self.execution)  # one at most, and not under an execution mode
+        context_part(self.parts, self.execution, self.batch_axes)  # one at most, checked
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -252,7 +252,7 @@ class Plan:
         >>> strategies.context_parallel().batch_spec()  # a batch's sequence (dimension 1) over context
         P(None, 'context')
         """
-        return context_part(self.parts, self.execution)
+        return context_part(self.parts, self.execution, self.batch_axes)
 
     def batch_shardings(self, batch: Any, mesh: Mesh) -> Any:
         """A NamedSharding per batch array (see :meth:`batch_spec`), checking the batch size divides.

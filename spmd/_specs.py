@@ -29,7 +29,9 @@ class ExecutionSpec:
     """The base of execution specs (see the module docstring); subclasses are frozen dataclasses.
 
     ``source`` names the mode in errors; ``splits_state`` says whether the mode itself splits part of the
-    training state over its axes (a plan then does not describe its parameters as replicated).
+    training state over its axes (a plan then does not describe its parameters as replicated);
+    ``takes_context`` whether context parallelism's grouped collectives (all-gathers, all-to-alls over the
+    context axis) complete inside its per-device branches (see :func:`spmd._context_parallel.context_part`).
 
     >>> import dataclasses, jax
     >>> from spmd.execution import Executor
@@ -43,6 +45,7 @@ class ExecutionSpec:
 
     source: ClassVar[str] = "execution"
     splits_state: ClassVar[bool] = False
+    takes_context: ClassVar[bool] = False
 
     def describe(self) -> str:
         """A few words for the plan's description."""
@@ -77,6 +80,7 @@ class PipelineSpec(ExecutionSpec):
     layers_per_stage: tuple[int, ...] | None = None
     source: ClassVar[str] = "pipeline"
     splits_state: ClassVar[bool] = True
+    takes_context: ClassVar[bool] = True  # a tick's action is the same on one stage's context devices
 
     def describe(self) -> str:
         s = self.schedule

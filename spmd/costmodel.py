@@ -552,9 +552,13 @@ def context_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], work
     tokens = _tokens_per_device(plan, sizes, workload)
     found = {_output_name(m): m for m in matmuls(layout.params.leaves)}
     totals = _Totals(sizes)
+    # An execution mode that takes cp (a pipeline) runs the layers split over its axes, and moves the
+    # sequence inside its branches by all-gathers.
+    in_branches = plan.execution is not None
+    stages = math.prod(sizes.get(a, 1) for a in plan.execution.axes()) if in_branches else 1
     if "key_proj" in found and "value_proj" in found:
         k, v, q = found["key_proj"], found["value_proj"], found.get("query_proj", found["key_proj"])
-        layers = k.layers
+        layers = k.layers / stages  # a pipeline's device runs its stage's layers
         width = lambda m: m.local(m.out_dims, model_axes, sizes)  # noqa: E731
         kv = tokens * (width(k) + width(v)) * workload.act_bytes
         forwards = 2 if plan.remat else 1
@@ -570,6 +574,13 @@ def context_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], work
     residual = [m for m in matmuls(layout.params.leaves) if m.writes_residual]
     if cp.load_balance and residual:
         d = math.prod(residual[0].row.shape[i] for i in residual[0].out_dims)
+        if in_branches:
+            # Inside a pipeline's branches the sequence moves by one all-gather (see _moved_by_gather): the
+            # first stage's tokens, the last stage's residual stream forward and its gradient scattered back.
+            totals.add("all-gather", axis, c * tokens * 4, 1)  # int32 tokens
+            totals.add("all-gather", axis, c * tokens * d * workload.act_bytes, 1)
+            totals.add("reduce-scatter", axis, c * tokens * d * workload.act_bytes, 1)
+            return totals.result()
         moving = sum(1 for moves in exchanges(c) if moves)  # of the two, the exchanges that move anything
         totals.add("collective-permute", axis, moving * tokens / 2 * 4, moving)  # int32 tokens
         totals.add("collective-permute", axis, 2 * moving * tokens / 2 * d * workload.act_bytes, 2 * moving)
@@ -745,7 +756,8 @@ def _activations(
     sizes = dict(mesh_shape)
     model_axes = {a for a in sizes if a not in plan.batch_axes}
     ms = matmuls(params)
-    seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes))
+    # The context axis already splits the tokens a device holds; sp's axis splits the kept residual besides.
+    seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes) - set(_context_axes(plan)))
     tokens = _tokens_per_device(plan, sizes, workload)
     per_layer: dict[int, float] = {}  # stacked layer count -> elements per layer
     saved: dict[int, float] = {}  # stacked layer count -> elements per layer the remat policy keeps

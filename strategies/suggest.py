@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
-from strategies import Context, from_names
+from strategies import Context, ContextOptions, from_names
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
 _DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
@@ -127,6 +127,7 @@ def rank(
     accumulations: Sequence[int] = (1,),
     precisions: Sequence[Precision | None] = (None,),
     contexts: Sequence[int] = (1,),
+    context_options: ContextOptions | None = None,
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
@@ -137,7 +138,7 @@ def rank(
     ``precisions``; among equally fast plans, fewer microbatches and less recompute first. Each layout is
     resolved once: a policy changes what a device keeps, moves and computes, not where arrays live. Each size
     in ``contexts`` above 1 adds the compositions that split the sequence over a ``context`` axis (cp, with
-    head-tail load balancing: the sequence must split into two half-chunks per device).
+    head-tail load balancing: the sequence must split into two half-chunks per device), by ``context_options``.
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -155,13 +156,12 @@ def rank(
         if workload.batch % ways:
             skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
             continue
-        if workload.seq_len % (2 * mesh.get("context", 1)):
-            skipped.append(f"{strategy} on {shown}: {workload.seq_len} tokens do not split {2 * mesh['context']} ways")
-            continue
         try:
-            plan = from_names(strategy, mesh, context=ctx)
+            plan = from_names(strategy, mesh, context=ctx, context_options=context_options)
             plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
             plan.check_mesh(mesh)
+            if plan.context is not None:  # the sequence must split over the context axis
+                plan.context.check_length(workload.seq_len, mesh[plan.context.axis], "a sequence")
             layout = resolve_state(plan, params, optimizer, mesh)
         except (PlanError, ValueError) as e:
             skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")

@@ -211,9 +211,34 @@ def test_bad_context_parallel_input_exits_2_with_one_line(capsys, args, message)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_pipeline_refuses_context_parallelism(capsys):
-    code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", "stage=2,context=4", "--strategy", "pp+cp")
-    assert code == 2 and "does not compose with pipeline" in err
+@pytest.mark.parametrize(
+    ("mesh", "strategy", "message"),
+    [
+        ("stage=2,context=4", "pp+cp --cp-method ring", "the ring's collective-permutes would run inside"),
+        ("data=2,context=4", "sdp+cp", "does not compose with subnetwork"),
+    ],
+)
+def test_ring_attention_in_a_pipeline_and_other_execution_modes_are_refused(capsys, mesh, strategy, message):
+    strategy, *flags = strategy.split()
+    code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, *flags)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["allgather", "alltoall"])
+def test_a_pipeline_over_stages_splits_each_stages_sequence_like_one_device(method):
+    """stage=2,context=4: each stage's four devices split the sequence (head-tail, moved by all-gathers inside
+    the stages' branches); two 1F1B steps equal one device's."""
+    model = models.get("gpt-tiny", layers=2)
+    shape = {"stage": 2, "context": 4}
+    options = strategies.PipelineOptions("1f1b", 4)
+    plan = strategies.from_names(
+        "pp+cp", shape, pipeline_options=options, context_options=strategies.ContextOptions(method)
+    )
+    losses, state, step = _steps(plan, shape, model, batch=4)
+    ref_losses, ref, ref_step = _steps(spmd.Plan(), {"data": 1}, model, batch=4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(step.params_of(state), ref_step.params_of(ref))
 
 
 @pytest.mark.slow
@@ -254,3 +279,20 @@ def test_suggest_splits_the_sequence_of_a_batch_too_small_for_the_devices(capsys
     assert any("batch 1 does not split" in s for s in found["skipped"])
     code, _, err = run_cli(capsys, *args, "--max-context", "1")
     assert code == 2 and "no plan could be built" in err and "batch 1 does not split" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("shape", "strategy"), [({"data": 2, "context": 4}, "dp+cp"), ({"stage": 2, "context": 4}, "pp+cp")]
+)
+def test_accumulated_microbatches_split_their_sequence_and_train_like_one_device(shape, strategy):
+    """Two microbatches a step, each laid out as the batch (the sequence over context): under dp+cp attention
+    runs inside the program manual over the batch axis, under pp+cp in the executor's scan; the step equals
+    one device's."""
+    model = models.get("gpt-tiny", layers=2)
+    plan = strategies.from_names(strategy, shape, pipeline_options=strategies.PipelineOptions("1f1b", 4))
+    plan = plan + strategies.accumulate(2)
+    losses, state, step = _steps(plan, shape, model, batch=8)
+    ref_losses, ref, ref_step = _steps(spmd.Plan(), {"data": 1}, model, batch=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(step.params_of(state), ref_step.params_of(ref))

@@ -63,6 +63,7 @@ from flax import linen as nn
 from flax import nnx
 
 from spmd import axes as A
+from spmd._context import constrain
 from spmd._pipeline import StagedModel
 from spmd._remat import NAMES as REMAT_NAMES
 from spmd._remat import Remat
@@ -143,13 +144,18 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     >>> float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.array([[0, 4]])))  # id 4 of a vocabulary of 4
     nan
     """
-    # The full sequence goes through the model (so seq keeps its size for sharding); drop the last
-    # prediction, which has no target.
-    logits = logits[:, :-1].astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    outside = (tokens < 0) | (tokens >= logits.shape[-1])
-    # Marked per position, so the NaN travels through the mean's own reduction: no collective of its own.
-    return jnp.where(outside[:, 1:] | outside[:, :-1], jnp.nan, losses).mean()
+    # The full sequence goes through the model and is scored whole (so seq keeps its size for sharding): each
+    # position against the next token, the last position (no target) weighed zero. The tokens are whole along
+    # the sequence here (small integers), so the shift is local even where the plan splits the sequence: a
+    # shifted slice of a split sequence would be a collective-permute inside the pipeline's per-device branch.
+    tokens = constrain(tokens, (A.BATCH, None))
+    targets = constrain(jnp.roll(tokens, -1, axis=1), (A.BATCH, None))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    outside = lambda t: (t < 0) | (t >= logits.shape[-1])  # noqa: E731
+    last = jnp.arange(tokens.shape[1]) == tokens.shape[1] - 1
+    # Marked per position, so the NaN travels through the sum's own reduction: no collective of its own.
+    losses = jnp.where(last, 0.0, jnp.where(outside(tokens) | outside(targets), jnp.nan, losses))
+    return losses.sum() / (tokens.shape[0] * (tokens.shape[1] - 1))
 
 
 def _example_tokens(config: LMConfig) -> jax.Array:
