@@ -116,7 +116,7 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
         parts.append(f"--layers {args.layers}")
     if args.seq_len:
         parts.append(f"--seq-len {args.seq_len}")
-    if best.plan.context is not None:  # the context options the ranking priced
+    if "cp" in best.strategy.split("+"):  # the context options the ranking priced
         parts += [f"--cp-method {args.cp_method}"] + (["--no-load-balance"] if args.no_load_balance else [])
     if args.device_kind:  # the cost model's device, which chooses osdp's layout
         parts.append(f"--device-kind {args.device_kind}")

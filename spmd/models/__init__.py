@@ -155,7 +155,7 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     last = jnp.arange(tokens.shape[1]) == tokens.shape[1] - 1
     # Marked per position, so the NaN travels through the sum's own reduction: no collective of its own.
     losses = jnp.where(last, 0.0, jnp.where(outside(tokens) | outside(targets), jnp.nan, losses))
-    return losses.sum() / (tokens.shape[0] * (tokens.shape[1] - 1))
+    return losses.sum() / float(tokens.shape[0] * (tokens.shape[1] - 1))  # a float: a count may pass int32
 
 
 def _example_tokens(config: LMConfig) -> jax.Array:
