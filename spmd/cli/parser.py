@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import strategies
+from spmd._context_parallel import METHODS
 from spmd._mesh import MAX_EMULATED_DEVICES
 from spmd._offload import OFFLOADABLE
 from spmd._remat import FORMS, NAMES, Remat
@@ -43,7 +44,7 @@ _STRATEGY_FLAGS = (
 )
 
 
-CP_METHODS = ("allgather", "ring", "alltoall")  # strategies.context_parallel's methods
+CP_METHODS = METHODS  # strategies.context_parallel's methods
 
 
 class UsageError(Exception):
