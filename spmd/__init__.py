@@ -16,7 +16,7 @@ P('data', None)
 from spmd import axes, collectives, costmodel, devices, execution, pipeline, rules
 from spmd._checkpoint import CheckpointError, Checkpoints, ModelLayout
 from spmd._context import activate, constrain
-from spmd._context_parallel import attention, balance_sequence, restore_sequence, sequence_positions
+from spmd._context_attention import attention, balance_sequence, restore_sequence, sequence_positions
 from spmd._create import create
 from spmd._devices import emulate_devices
 from spmd._feed import global_batch

@@ -2,7 +2,7 @@
 
 A plan part (:class:`ContextParallel`) maps the activations' ``seq`` dimension to the ``context`` axis, so every
 position-wise computation (embeddings, norms, MLPs, projections) works on its own slice of the sequence, and
-:func:`attention` computes causal self-attention across the slices inside a ``jax.shard_map`` manual over the
+:func:`spmd.attention` computes causal self-attention across the slices inside a ``jax.shard_map`` manual over the
 axes the activation is laid out on (the batch's, the context axis, the heads'), each device on its own part:
 
 - ``allgather``: each device gathers the whole sequence's keys and values (Levanter, MaxText's default);
@@ -15,42 +15,32 @@ Causal attention costs a query as many keys as precede it, so a device holding t
 times harder than one holding its start. With ``load_balance`` the sequence is laid out head-tail: cut into ``2c``
 half-chunks, device ``j`` holds half-chunks ``j`` and ``2c − 1 − j`` (torchtitan, MaxText's ``load_balance``), so
 every device attends to ``2c + 1`` half-chunk blocks. A model moves its sequence into that order once with
-:func:`balance_sequence` (the built-in GPTs balance their tokens and read positions from
-:func:`sequence_positions`) and back once with :func:`restore_sequence` before anything that reads neighbours
-(the loss's next-token shift); between the two, attention knows the order from the plan.
+:func:`spmd.balance_sequence` (the built-in GPTs balance their tokens and read positions from
+:func:`spmd.sequence_positions`) and back once with :func:`spmd.restore_sequence` before anything that reads
+neighbours (the loss's next-token shift); between the two, attention knows the order from the plan.
 
 Blocks are half-chunks: a query half attends to a key half fully (the keys all precede it), under the causal mask
 (the same half), or not at all. Which applies where is a per-device table (:func:`block_kinds`), chosen in the
 program by ``lax.switch``, so the compiled program skips the masked blocks and its attention work per device is
 the table's count.
+
+This module is the plan's side (the part, its tables and checks, read by the cost model without tracing
+anything); :mod:`spmd._context_attention` computes in a trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from spmd import axes as A
-from spmd._rules import PlanError
-from spmd._sequence_order import current_order, note_order
+from spmd._rules import ROLES, PlanError, Proposal, ShardLargest
 
-__all__ = [
-    "METHODS",
-    "ContextParallel",
-    "attention",
-    "balance_sequence",
-    "block_kinds",
-    "restore_sequence",
-    "sequence_positions",
-]
+__all__ = ["METHODS", "ContextParallel", "attention_share", "block_kinds", "context_part", "exchanges"]
 
 METHODS = ("allgather", "ring", "alltoall")
 SKIP, MASKED, FULL = 0, 1, 2  # a block's kind: no work, causal mask within the block, every key visible
@@ -60,28 +50,45 @@ BLOCK_SCOPE = "spmd_context_block"  # the switch over a block's kinds, named for
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
     """The plan part of context parallelism: ``seq`` over ``axis``, attention by ``method``, head-tail order
-    with ``load_balance``. It lays out no parameter (they are replicated over ``axis``, and their gradients
-    all-reduced there, unless another part splits them).
+    with ``load_balance``. The parameters are replicated over ``axis`` (their gradients all-reduced there)
+    unless another part splits them, or, with ``shard_params``, split over it FSDP-style: each array of at
+    least ``min_bytes`` on its largest free dimension the axis divides, else joining another part's split
+    (:class:`spmd.rules.ShardLargest` with ``joins``), gathered before use and its gradient reduce-scattered.
 
     >>> part = ContextParallel("context", "ring")
     >>> part.logical_rules(), part.describe()
     ((('seq', ('context',)),), 'context parallel over context (ring, load-balanced)')
+    >>> ContextParallel(shard_params=True).describe()
+    'context parallel over context (allgather, load-balanced, parameters split)'
     """
 
     axis: str = "context"
     method: str = "allgather"
     load_balance: bool = True
+    shard_params: bool = False
+    min_bytes: int = 4096
     source = "context_parallel"
-    roles = ("params",)
-    after_rules = False
     reports_idle = True  # it splits activations, not arrays of the training state
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise PlanError(f"context_parallel: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.min_bytes < 0:
+            raise PlanError(f"context_parallel: min_bytes must be >= 0, got {self.min_bytes}")
 
-    def propose(self, leaf: Any, taken: Any, sizes: Mapping[str, int] | None) -> None:
-        return None
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ROLES if self.shard_params else ("params",)
+
+    @property
+    def after_rules(self) -> bool:
+        """Splitting parameters, it chooses among the dimensions the rules left, as FSDP does."""
+        return self.shard_params
+
+    def propose(self, leaf: Any, taken: Any, sizes: Mapping[str, int] | None) -> Proposal | None:
+        if not self.shard_params:
+            return None
+        return ShardLargest(self.axis, self.min_bytes, source=self.source, joins=True).propose(leaf, taken, sizes)
 
     def axes(self) -> frozenset[str]:
         return frozenset({self.axis})
@@ -139,7 +146,8 @@ class ContextParallel:
 
     def describe(self) -> str:
         balanced = ", load-balanced" if self.load_balance else ""
-        return f"context parallel over {self.axis} ({self.method}{balanced})"
+        split = ", parameters split" if self.shard_params else ""
+        return f"context parallel over {self.axis} ({self.method}{balanced}{split})"
 
 
 def halves(device: int, ways: int, balanced: bool) -> tuple[int, int]:
@@ -240,7 +248,8 @@ def context_part(parts: tuple[Any, ...], execution: Any, batch_axes: tuple[str, 
         raise PlanError(
             f"{found[0].describe()}: the batch is split over {found[0].axis!r} too (batch axes "
             f"{list(batch_axes)}), and an axis splits the batch or the sequence, not both; split the batch "
-            f"over another axis (fsdp over its own axis, e.g. --mesh fsdp=2,context=4)"
+            f"over another axis, and to split the parameters over {found[0].axis!r} too use "
+            f"context_parallel(shard_params=True) (--cp-shard-params)"
         )
     if found and execution is not None and not execution.takes_context:
         raise PlanError(
@@ -256,57 +265,6 @@ def context_part(parts: tuple[Any, ...], execution: Any, batch_axes: tuple[str, 
     return found[0] if found else None
 
 
-# ------------------------------------------------------------------------------------------------ the active plan
-def _active() -> tuple[ContextParallel, Any, int] | None:
-    """The active plan's context-parallel part, the mesh to run on and the axis size; None if the plan has none
-    or the axis is one device."""
-    from spmd._context import active
-
-    current = active()
-    if current is None:
-        return None
-    plan, mesh = current
-    parts = [p for p in plan.parts if isinstance(p, ContextParallel)]
-    if not parts or mesh.shape.get(parts[0].axis, 1) == 1:
-        return None
-    context = jax.sharding.get_abstract_mesh()
-    return parts[0], mesh if context.empty else context, mesh.shape[parts[0].axis]
-
-
-def _manual(names: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[Any, P]:
-    """The mesh and the spec to run a ``shard_map`` over an activation named ``names``: manual over every axis
-    the plan lays it out on (the batch's and the heads' axes too, so each device computes only its own rows and
-    heads), except axes already manual in the context (an enclosing ``shard_map``'s)."""
-    from spmd._context import active
-
-    plan, mesh = active()
-    context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)
-    local = {a: 1 if a in manual else n for a, n in mesh.shape.items()}
-    spec = plan.activation_spec(names, shape, local)
-    # An enclosing shard_map's axes (the batch's under gradient accumulation) are already this device's part.
-    kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual) or None  # noqa: E731
-    spec = P(*[kept(entry) for entry in spec])
-    return (mesh if context.empty else context), spec
-
-
-def _in_branches() -> bool:
-    """Whether the active plan runs its model inside per-device branches (an execution mode: a pipeline)."""
-    from spmd._context import active
-
-    return active()[0].execution is not None
-
-
-def _axes_of(spec: P) -> set[str]:
-    return {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
-
-
-def _balanced() -> tuple[ContextParallel, Any, int] | None:
-    current = _active()
-    return current if current is not None and current[0].load_balance else None
-
-
-# ---------------------------------------------------------------------------------------------- sequence order
 def exchanges(ways: int) -> list[list[tuple[int, int]]]:
     """The two exchanges that put a sequence in head-tail order: half-chunk ``m`` moves from device ``m // 2``
     (consecutive order) to ``min(m, 2c − 1 − m)``; each device holds one even and one odd half-chunk in both
@@ -317,243 +275,3 @@ def exchanges(ways: int) -> list[list[tuple[int, int]]]:
     """
     moves = [[(m // 2, min(m, 2 * ways - 1 - m)) for m in range(parity, 2 * ways, 2)] for parity in (0, 1)]
     return [[(a, b) for a, b in pairs if a != b] for pairs in moves]
-
-
-def _moved(x: jax.Array, dim: int, restore: bool) -> jax.Array:
-    """``x``'s sequence (``dim``, split over the context axis) moved between consecutive and head-tail order."""
-    part, _, ways = _balanced()
-    part.check_length(x.shape[dim], ways, "spmd.balance_sequence")
-    note_order(restored=restore)
-    if _in_branches():
-        return _moved_by_gather(x, dim, restore, part.axis, ways)
-    pairs = exchanges(ways)
-    if restore:
-        pairs = [[(b, a) for a, b in exchange] for exchange in pairs]
-
-    def body(local: jax.Array) -> jax.Array:
-        # Head-tail device j holds j then 2c-1-j, so on odd devices the odd half-chunk comes first.
-        odd = jax.lax.axis_index(part.axis) % 2 == 1
-        swapped = lambda y: jnp.where(odd, jnp.roll(y, y.shape[dim] // 2, dim), y)  # noqa: E731
-        even_half, odd_half = jnp.split(swapped(local) if restore else local, 2, axis=dim)
-        # A device whose half-chunk stays keeps it; ppermute gives zeros to a device nothing is sent to.
-        me = jax.lax.axis_index(part.axis)
-        kept = lambda half, moves: jnp.where(_sends(me, moves), jax.lax.ppermute(half, part.axis, moves), half)  # noqa: E731
-        moved = jnp.concatenate([kept(even_half, pairs[0]), kept(odd_half, pairs[1])], dim)
-        return moved if restore else swapped(moved)
-
-    names = tuple(A.BATCH if d == 0 and dim > 0 else A.SEQ if d == dim else None for d in range(x.ndim))
-    mesh, spec = _manual(names, x.shape)
-    run = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=_axes_of(spec), check_vma=False)
-    return run(x)
-
-
-def _moved_by_gather(x: jax.Array, dim: int, restore: bool, axis: str, ways: int) -> jax.Array:
-    """:func:`_moved` by one all-gather over ``axis`` and a local take, for a sequence moved inside per-device
-    branches (see :func:`context_part`): the gather names one stage's devices, the two exchanges' permutes every
-    stage's. It moves (c − 1)/c of the sequence where the exchanges move at most half of it."""
-    laid_out = order(x.shape[dim], ways, True)  # laid-out position i holds original position laid_out[i]
-    table = (np.argsort(laid_out) if restore else laid_out).reshape(ways, -1)
-
-    def body(local: jax.Array) -> jax.Array:
-        whole = jax.lax.all_gather(local, axis, axis=dim, tiled=True)
-        return jnp.take(whole, jnp.asarray(table)[jax.lax.axis_index(axis)], axis=dim)
-
-    names = tuple(A.BATCH if d == 0 and dim > 0 else A.SEQ if d == dim else None for d in range(x.ndim))
-    mesh, spec = _manual(names, x.shape)
-    run = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=_axes_of(spec), check_vma=False)
-    return run(x)
-
-
-def _sends(me: jax.Array, moves: list[tuple[int, int]]) -> jax.Array:
-    """Whether device ``me`` receives anything in ``moves`` (a device nothing moves to keeps its own half)."""
-    receivers = [b for _, b in moves]
-    return jnp.isin(me, jnp.asarray(receivers, jnp.int32)) if receivers else jnp.bool_(False)
-
-
-def balance_sequence(x: jax.Array, *, dim: int = 1) -> jax.Array:
-    """``x`` with its sequence dimension ``dim`` in the active plan's load-balanced (head-tail) order; ``x``
-    itself without a load-balanced context-parallel plan. Call it once on the tokens (or the residual stream)
-    before the first attention, and :func:`restore_sequence` before the loss.
-
-    >>> import jax.numpy as jnp
-    >>> balance_sequence(jnp.arange(4)[None]).tolist()  # no plan active: unchanged
-    [[0, 1, 2, 3]]
-    """
-    return x if _balanced() is None else _moved(x, dim, restore=False)
-
-
-def restore_sequence(x: jax.Array, *, dim: int = 1) -> jax.Array:
-    """``x`` (in the order :func:`balance_sequence` made) with its sequence back in order.
-
-    >>> import jax.numpy as jnp
-    >>> restore_sequence(jnp.arange(4)[None]).tolist()
-    [[0, 1, 2, 3]]
-    """
-    return x if _balanced() is None else _moved(x, dim, restore=True)
-
-
-def order(length: int, ways: int, balanced: bool) -> np.ndarray:
-    """The original positions of a sequence of ``length`` in its laid-out order over ``ways`` devices.
-
-    >>> order(8, 2, True).tolist()
-    [0, 1, 6, 7, 2, 3, 4, 5]
-    """
-    if not balanced or ways == 1:
-        return np.arange(length)
-    h = length // (2 * ways)
-    return np.concatenate([np.arange(m * h, (m + 1) * h) for d in range(ways) for m in halves(d, ways, True)])
-
-
-def sequence_positions(length: int) -> jax.Array:
-    """The positions ``0..length-1`` in the order the active plan lays the sequence out (see
-    :func:`balance_sequence`): what a model's position embedding reads.
-
-    >>> sequence_positions(4).tolist()
-    [0, 1, 2, 3]
-    """
-    current = _balanced()
-    if current is None:
-        return jnp.arange(length)
-    current[0].check_length(length, current[2], "spmd.sequence_positions")
-    return jnp.asarray(order(length, current[2], True))
-
-
-# ---------------------------------------------------------------------------------------------------- attention
-def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    return s / math.sqrt(q.shape[-1])
-
-
-def _masked(scores: jax.Array, visible: jax.Array) -> jax.Array:
-    # finfo.min rather than -inf: a row with nothing visible would turn into NaNs.
-    return jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """Causal softmax attention over ``[batch, seq, heads, head_dim]``, scores and softmax in float32; a query
-    sees the keys at positions up to its own (``positions``: the sequence's, default ``0..seq-1``).
-
-    >>> x = jnp.ones((1, 3, 2, 4))
-    >>> causal_attention(x, x, x).shape
-    (1, 3, 2, 4)
-    """
-    positions = jnp.arange(q.shape[1]) if positions is None else positions
-    visible = positions[:, None] >= positions[None, :]
-    probs = jax.nn.softmax(_masked(_scores(q, k), visible), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
-def _block(state: tuple, q: jax.Array, k: jax.Array, v: jax.Array, kind: jax.Array) -> tuple:
-    """One key block folded into a query block's online softmax ``(max, sum, out)``."""
-
-    def fold(masked: bool) -> tuple:
-        m, total, out = state
-        s = _scores(q, k)
-        if masked:
-            s = _masked(s, jnp.tril(jnp.ones(s.shape[-2:], bool)))
-        new_m = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - new_m[..., None])
-        scale = jnp.exp(m - new_m)
-        new_out = out * jnp.moveaxis(scale, 1, 2)[..., None]
-        new_out = new_out + jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return new_m, total * scale + p.sum(-1), new_out
-
-    with jax.named_scope(BLOCK_SCOPE):
-        return jax.lax.switch(kind, [lambda: state, lambda: fold(True), lambda: fold(False)])
-
-
-def _blocks(q: jax.Array, kv_steps: Any, kinds: jax.Array, *, ring: bool, axis: str) -> jax.Array:
-    """Attention of the local query halves over the key/value blocks of every step (see :func:`block_kinds`)."""
-    b, s, h, d = q.shape
-    qs = jnp.split(q, 2, axis=1)
-    start = (jnp.full((b, h, s // 2), jnp.finfo(jnp.float32).min), jnp.zeros((b, h, s // 2)))
-    states = tuple((*start, jnp.zeros((b, s // 2, h, d), jnp.float32)) for _ in qs)
-
-    def step(states: tuple, k: jax.Array, v: jax.Array, kind: jax.Array) -> tuple:
-        ks, vs = jnp.split(k, 2, axis=1), jnp.split(v, 2, axis=1)
-        return tuple(
-            functools.reduce(lambda st, j: _block(st, qs[i], ks[j], vs[j], kind[i, j]), (0, 1), states[i])
-            for i in (0, 1)
-        )
-
-    if ring:
-        ways = kinds.shape[0]
-        k, v = kv_steps
-        perm = [(i, (i + 1) % ways) for i in range(ways)]
-
-        def turn(carry: tuple, kind: jax.Array) -> tuple:
-            states, k, v = carry
-            # Send the block on before computing with it, so the exchange can overlap the computation.
-            nk, nv = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
-            return (step(states, k, v, kind), nk, nv), None
-
-        (states, k, v), _ = jax.lax.scan(turn, (states, k, v), kinds[:-1])
-        states = step(states, k, v, kinds[-1])
-    else:
-        states, _ = jax.lax.scan(lambda st, x: (step(st, *x), None), states, (*kv_steps, kinds))
-    outs = [out / jnp.moveaxis(total, 1, 2)[..., None] for _, total, out in states]
-    return jnp.concatenate(outs, axis=1).astype(q.dtype)
-
-
-def _sharded(part: ContextParallel, ways: int, length: int) -> Any:
-    """The per-device body of :func:`attention` for ``part``'s method."""
-    axis = part.axis
-    if part.method == "alltoall":
-        positions = jnp.asarray(order(length, ways, part.load_balance))
-
-        def ulysses(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
-            out = causal_attention(heads(q), heads(k), heads(v), positions)
-            return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
-
-        return ulysses
-    table = block_kinds(ways, part.load_balance, ring=part.method == "ring")
-
-    def blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        kinds = jnp.asarray(table)[jax.lax.axis_index(axis)]
-        if part.method == "ring":
-            return _blocks(q, (k, v), kinds, ring=True, axis=axis)
-        gathered = jax.lax.all_gather(k, axis), jax.lax.all_gather(v, axis)
-        return _blocks(q, gathered, kinds, ring=False, axis=axis)
-
-    return blockwise
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal self-attention over ``[batch, seq, heads, head_dim]`` (scores and softmax in float32), across the
-    context axis when the active plan is context parallel (see the module's text); plain attention otherwise.
-    A model of your own calls it in place of its attention, and with a load-balanced plan puts its sequence in
-    order around it (:func:`balance_sequence`, :func:`restore_sequence`, :func:`sequence_positions`).
-
-    >>> import spmd
-    >>> x = jnp.ones((1, 4, 2, 8))
-    >>> spmd.attention(x, x, x).shape
-    (1, 4, 2, 8)
-    """
-    current = _active()
-    if current is None:
-        return causal_attention(q, k, v)
-    part, _, ways = current
-    length = q.shape[1]
-    part.check_length(length, ways, "spmd.attention")
-    if part.load_balance:
-        tracked = current_order()
-        if tracked is not None and tracked.balanced == 0:
-            raise PlanError(
-                "spmd.attention: the plan's context parallelism is load-balanced, but the model did not put its "
-                "sequence in head-tail order: call spmd.balance_sequence on the tokens before the first attention "
-                "(positions from spmd.sequence_positions) and spmd.restore_sequence before the loss, or use "
-                "context_parallel(load_balance=False)"
-            )
-    mesh, spec = _manual((A.BATCH, A.SEQ, A.HEADS, A.HEAD_DIM), q.shape)
-    heads = q.shape[2] // math.prod(mesh.shape[a] for a in _axes_of(P(spec[2])))
-    if part.method == "alltoall" and heads % ways:
-        raise PlanError(
-            f"spmd.attention: method alltoall splits the heads over {part.axis} ({ways} ways), but a device holds "
-            f"{heads} heads; use a context axis that divides them, or method allgather or ring"
-        )
-    run = jax.shard_map(
-        _sharded(part, ways, length), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=_axes_of(spec),
-        check_vma=False,
-    )  # fmt: skip
-    return run(q, k, v)

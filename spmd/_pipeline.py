@@ -569,10 +569,10 @@ def _layers(params: Any, staged: StagedModel) -> int:
 
 
 def _message_bytes(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> int:
-    """Bytes of one stage input on one device: batch axes the program does not run manual over (those that split
-    parameters: FSDP) split the activations further, as the model lays them out."""
+    """Bytes of one stage input on one device: data axes the program does not run manual over (batch axes that
+    split parameters, FSDP's; the context axis) split the activations further, as the model lays them out."""
     message = engine.activation(stored_abstract(layout.params), batch)
-    auto = math.prod(engine.mesh.shape[a] for a in plan.batch_axes if a not in engine.data_axes)
+    auto = math.prod(engine.mesh.shape[a] for a in plan.data_axes if a not in engine.data_axes)
     return math.prod(message.shape) * np.dtype(message.dtype).itemsize // auto
 
 
@@ -587,11 +587,11 @@ def _slot_bytes(
 ) -> tuple[dict[str, int], int]:
     """Bytes of one slot on one device, by what it holds: the stage input and the output gradient (one message
     each), what F keeps for the backward and what B hands to W (schedules that split the backward); and what
-    one chunk's backward makes of both, kept or not. Batch axes the program does not run manual over (FSDP's)
-    split them as they split the messages; model axes (tensor) split them as they split the layers' activations
-    in the cost model (given the ``workload``)."""
+    one chunk's backward makes of both, kept or not. Data axes the program does not run manual over (FSDP's,
+    the context axis) split them as they split the messages; model axes (tensor) split them as they split the
+    layers' activations in the cost model (given the ``workload``)."""
     chunk = _deepest_chunk(engine, layout, batch)
-    auto = math.prod(engine.mesh.shape[a] for a in plan.batch_axes if a not in engine.data_axes)
+    auto = math.prod(engine.mesh.shape[a] for a in plan.data_axes if a not in engine.data_axes)
     if workload is not None:
         auto /= _model_axes_share(engine, plan, layout, workload)
     message = _message_bytes(engine, plan, layout, batch)
@@ -615,7 +615,7 @@ def _model_axes_share(engine: Pipeline, plan: Any, layout: StateLayout, workload
     prefix = "/".join(engine.staged.layers_key) + "/"
     rows = [r for r in layout.params.leaves if r.path.startswith(prefix)]
     sizes, plain = dict(engine.mesh.shape), dataclasses.replace(plan, remat=Remat())
-    alone = {a: n if a in plan.batch_axes or a == engine.spec.axis else 1 for a, n in sizes.items()}
+    alone = {a: n if a in plan.data_axes or a == engine.spec.axis else 1 for a, n in sizes.items()}
     whole = activation_bytes(rows, plain, alone, workload)
     return activation_bytes(rows, plain, sizes, workload) / whole if whole else 1.0
 

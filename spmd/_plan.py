@@ -59,10 +59,8 @@ class Plan:
 
     >>> import spmd, numpy as np
     >>> plan = spmd.Plan.from_rules([(r"kernel$", (None, "tensor"))]) + spmd.Plan(batch_axes=("data",))
-    >>> plan.specs({"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}})
-    {'dense': {'bias': P(None,), 'kernel': P(None, 'tensor')}}
-    >>> plan.batch_spec()
-    P('data', None)
+    >>> plan.specs({"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}}), plan.batch_spec()
+    ({'dense': {'bias': P(None,), 'kernel': P(None, 'tensor')}}, P('data', None))
     """
 
     parts: tuple[Part, ...] = ()
@@ -155,8 +153,7 @@ class Plan:
         """
         return _described(self)
 
-    def __str__(self) -> str:
-        return self.describe()
+    __str__ = describe
 
     # -- mesh axes ----------------------------------------------------------------------------------------
     @property
@@ -249,10 +246,16 @@ class Plan:
         """The plan's context parallelism (its sequence split; see :func:`spmd.attention`), or None.
 
         >>> import strategies
-        >>> strategies.context_parallel().batch_spec()  # a batch's sequence (dimension 1) over context
-        P(None, 'context')
+        >>> plan = strategies.data_parallel() + strategies.context_parallel()
+        >>> plan.batch_spec(), plan.data_axes  # a batch's sequence (dimension 1) over context
+        (P('data', 'context'), ('data', 'context'))
         """
         return context_part(self.parts, self.execution, self.batch_axes)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The batch axes, then :attr:`context`'s: the axes gradients are reduced over, FSDP splits gathered on."""
+        return self.batch_axes + ((self.context.axis,) if self.context is not None else ())
 
     def batch_shardings(self, batch: Any, mesh: Mesh) -> Any:
         """A NamedSharding per batch array (see :meth:`batch_spec`), checking the batch size divides.

@@ -414,7 +414,7 @@ def _join(
 
 def _with_estimate(out: Report, estimate: costmodel.Estimate, side: _Side, batch: Any, known: bool) -> Report:
     """``out`` with the plan's layout and the cost model's side, less what is unknown."""
-    batch_ways = math.prod(out.mesh_axes[a] for a in out.plan.batch_axes)
+    batch_ways = math.prod(out.mesh_axes[a] for a in out.plan.data_axes)
     memory = estimate.step_memory(_bytes(batch) // batch_ways)
     memory["argument_bytes"] += side.counter_bytes - 4  # step_memory counts a TrainStep's int32 step counter
     keep = set(memory) if known else {"argument_bytes", "padding_bytes", "host_argument_bytes", "host_transfer_bytes"}

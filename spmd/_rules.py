@@ -8,6 +8,7 @@ and describes itself in a few words. A plan merges the proposals of its parts di
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -405,6 +406,10 @@ class ShardLargest:
     before the model sees it. ``paths``, when given, limits the part to exactly those arrays (a per-parameter
     choice such as OSDP's).
 
+    With ``joins``, an array with no free dimension the axis divides is split over ``axis`` on the largest
+    dimension another part split, where that dimension's shards divide: FSDP over the context axis beside
+    another FSDP split or a tensor split (MaxText splits ``embed`` over ``fsdp`` and ``context`` together).
+
     >>> ShardLargest("fsdp", block=128).describe()
     'fsdp(axis=fsdp, min_bytes=4096, block=128)'
     """
@@ -416,6 +421,7 @@ class ShardLargest:
     applies_to: tuple[str, ...] = ROLES
     block: int = 1
     paths: tuple[str, ...] = ()
+    joins: bool = False
     after_rules: ClassVar[bool] = True
     reports_idle: ClassVar[bool] = False
 
@@ -449,6 +455,9 @@ class ShardLargest:
         fits = [d for d in free if leaf.shape[d] % unit == 0]
         if not fits and self.block > 1 and free and ways > 1:
             return self._padded(leaf, free, unit)
+        joined = self._joined(leaf, taken, sizes) if not fits and self.joins else None
+        if joined is not None:
+            return joined
         if not fits:
             return Proposal(
                 note=f"not split by {self.source}: no free dimension divisible by {self.axis!r} ({ways})",
@@ -461,6 +470,18 @@ class ShardLargest:
             )
         best = max(fits, key=lambda d: (leaf.shape[d], -d))  # largest, first on ties
         return Proposal(self._on(best, len(leaf.shape)))
+
+    def _joined(self, leaf: Leaf, taken: Entries, sizes: Mapping[str, int]) -> Proposal | None:
+        """The largest dimension another part split whose shards the axis divides, split over it too."""
+        logical = leaf.names or (None,) * len(leaf.shape)
+        ways = lambda d: math.prod(sizes.get(a, 1) for a in taken[d]) * sizes[self.axis]  # noqa: E731
+        split = [d for d in range(len(leaf.shape)) if taken[d] and logical[d] not in self.avoid]
+        fits = [d for d in split if leaf.shape[d] % ways(d) == 0]
+        if not fits:
+            return None
+        best = max(fits, key=lambda d: (leaf.shape[d], -d))
+        entries = tuple((*e, self.axis) if d == best else () for d, e in enumerate(taken))
+        return Proposal(entries, note=f"{self.axis} joins {'+'.join(taken[best])} on dimension {best}")
 
     def _padded(self, leaf: Leaf, free: list[int], unit: int) -> Proposal:
         """No dimension holds whole blocks on every device: pad the one that costs the fewest extra bytes."""

@@ -304,7 +304,8 @@ def token_lookup(rows: Iterable[LeafLayout], batch_axes: Iterable[str]) -> tuple
 def data_parallel_traffic(
     layout: Any, plan: Plan, mesh_shape: Mapping[str, int], *, stage_uses: tuple[float, float] | None = None
 ) -> list[Traffic]:
-    """Collective traffic per step of the gradient reductions and parameter gathers the layouts imply.
+    """Collective traffic per step of the gradient reductions and parameter gathers the layouts imply, over the
+    plan's :attr:`~spmd.Plan.data_axes` (the batch axes and the context axis: both split the data).
 
     For each parameter, with ``local`` its bytes per device:
     - batch axes that split the parameter (FSDP, set F of size nF, whichever plan part split it: see
@@ -316,7 +317,7 @@ def data_parallel_traffic(
       gradient over E, then all-gather the updated shards ((nE−1)/nE · full each);
     - batch axes over which only the optimizer state is split (ZeRO-1, set E): all-reduce the gradient, then
       all-gather the updated shards;
-    - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer.
+    - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer (see :func:`_reduce_rest`).
 
     With ``plan.accumulate`` = K, the FSDP gathers and reduce-scatters run once per microbatch (K times, each of
     the whole buffer), the other reductions once per step (:mod:`spmd._accumulate`).
@@ -333,7 +334,7 @@ def data_parallel_traffic(
     True
     """
     sizes = dict(mesh_shape)
-    batch = set(plan.batch_axes)
+    batch = set(plan.data_axes)
     totals = _Totals(sizes)
     table, _ = token_lookup(layout.params.leaves, batch)
 
@@ -368,17 +369,29 @@ def data_parallel_traffic(
             # Accumulation keeps the gradient in the parameters' FSDP layout: each microbatch reduce-scatters
             # into it; the other batch axes reduce once per step.
             reductions *= plan.accumulate if fsdp else 1
-            totals.add(
-                "reduce-scatter", fsdp | zero2, reductions * grad_buffer, (layers if fsdp else 1) * reductions,
-                combined=True,
-            )  # fmt: skip
+            count = (layers if fsdp else 1) * reductions
+            totals.add("reduce-scatter", fsdp | zero2, reductions * grad_buffer, count, combined=True)
         n_zero2 = math.prod(sizes[a] for a in zero2)
-        totals.add("all-reduce", rest, once / n_zero2, combined=True)
+        uses = stage_uses[1] * plan.accumulate if staged else 1
+        _reduce_rest(totals, rest, _context_axes(plan), (once / n_zero2, reduced / n_zero2), uses, layers)
         if zero2:
             totals.add("all-gather", zero2, stored, combined=True)
         if zero1:
             totals.add("all-gather", zero1, stored, combined=True)
     return totals.result()
+
+
+def _reduce_rest(
+    totals: _Totals, rest: set[str], context: set[str], buffers: tuple[float, float], uses: float, layers: int
+) -> None:
+    """A gradient's all-reduces over the data axes that split none of it: over the batch axes once a step (of
+    ``buffers[0]``, in the reduce dtype), over the context axis apart from them (XLA reduces the sequence's
+    partial sums on their own), ``uses`` times of ``buffers[1]`` where a pipeline's program, automatic over the
+    context axis (manual over the batch axes), reduces the layers' gradients at every backward action."""
+    if rest & context:
+        buffer, count = (buffers[1] * uses, uses * layers) if uses > 1 else (buffers[0], 1)
+        totals.add("all-reduce", rest & context, buffer, count, combined=True)
+    totals.add("all-reduce", rest - context, buffers[0], combined=True)
 
 
 def pipeline_traffic(
@@ -440,8 +453,7 @@ def _seq_axes(plan: Plan, mesh_shape: Mapping[str, int]) -> set[str]:
 
 
 def _tokens_per_device(plan: Plan, mesh_shape: Mapping[str, int], workload: Workload) -> float:
-    split = (*plan.batch_axes, *_context_axes(plan))
-    ways = math.prod(mesh_shape[a] for a in split if a in mesh_shape)
+    ways = math.prod(mesh_shape[a] for a in plan.data_axes if a in mesh_shape)
     return workload.tokens / ways
 
 
@@ -484,7 +496,7 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
     Megatron's pair: ``wo``'s output is all-reduced forward, ``wi``'s input gradient backward.
     """
     sizes = dict(mesh_shape)
-    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    model_axes = {a for a in sizes if a not in plan.data_axes}
     seq = _seq_axes(plan, sizes)
     totals = _Totals(sizes)
     forward_passes = 2 if plan.remat else 1
@@ -496,7 +508,7 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
         else:
             totals.add("all-reduce", axes, buffer, count)
 
-    table, exchanged = token_lookup(layout.params.leaves, plan.batch_axes)
+    table, exchanged = token_lookup(layout.params.leaves, plan.data_axes)
     if table is not None:  # the looked-up tokens, full width, to the devices holding their batch and back
         buffer = _tokens_per_device(plan, sizes, workload) * table.local(table.out_dims, model_axes, sizes)
         totals.add("all-to-all", exchanged, 2 * buffer * workload.act_bytes, 2)
@@ -516,10 +528,12 @@ def activation_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], w
             buffer = rows * m.local(m.in_dims, model_axes, sizes) * workload.act_bytes
             passes = 2 * forward_passes + 2  # dispatch and return, forward (twice with remat) and backward
             totals.add("all-to-all", expert_axes, passes * m.layers * buffer, passes * m.layers)
-    if seq:
+    # Over sp's axis, gradients are reduced here; over the context axis, as over the batch's (data_parallel_traffic).
+    sequence_only = seq - set(plan.data_axes)
+    if sequence_only:
         for row in layout.grads.leaves:
-            if not _axes(row) & seq:
-                totals.add("all-reduce", seq, row.bytes_per_device, combined=True)
+            if not _axes(row) & sequence_only:
+                totals.add("all-reduce", sequence_only, row.bytes_per_device, combined=True)
     return totals.result()
 
 
@@ -548,7 +562,7 @@ def context_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], work
     if cp is None or sizes.get(cp.axis, 1) <= 1:
         return []
     c, axis = sizes[cp.axis], {cp.axis}
-    model_axes = {a for a in sizes if a not in plan.batch_axes and a != cp.axis}
+    model_axes = {a for a in sizes if a not in plan.data_axes}
     tokens = _tokens_per_device(plan, sizes, workload)
     found = {_output_name(m): m for m in matmuls(layout.params.leaves)}
     totals = _Totals(sizes)
@@ -668,7 +682,7 @@ def flops_per_device(
     49152.0
     """
     sizes = dict(mesh_shape)
-    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    model_axes = {a for a in sizes if a not in plan.data_axes}
     ms = matmuls(params)
     total = 0.0
     for m in ms:
@@ -702,7 +716,7 @@ def pipeline_gathered_bytes(params: Iterable[LeafLayout], plan: Plan, mesh_shape
     >>> pipeline_gathered_bytes(plan.resolve({"w": box}, mesh).leaves, plan, mesh)  # 4 layers of 64·64 f32, twice
     131072
     """
-    batch = set(plan.batch_axes)
+    batch = set(plan.data_axes)
     gathered = sum(
         row.bytes_per_device * math.prod(mesh_shape[a] for a in _axes(row) & batch)
         for row in params
@@ -754,7 +768,7 @@ def _activations(
 ) -> tuple[float, float]:
     """(device, host) bytes of the kept activations: see :func:`activation_bytes`."""
     sizes = dict(mesh_shape)
-    model_axes = {a for a in sizes if a not in plan.batch_axes}
+    model_axes = {a for a in sizes if a not in plan.data_axes}
     ms = matmuls(params)
     # The context axis already splits the tokens a device holds; sp's axis splits the kept residual besides.
     seq_ways = math.prod(sizes[a] for a in _seq_axes(plan, sizes) - set(_context_axes(plan)))

@@ -154,6 +154,7 @@ class ContextOptions:
 
     method: str = "allgather"
     load_balance: bool = True
+    shard_params: bool = False
 
 
 CONTEXT_AXIS = "context"
@@ -256,4 +257,6 @@ def _context(mesh_axes: Mapping[str, int] | None, options: ContextOptions) -> Pl
             f"strategy cp splits the sequence over mesh axis {CONTEXT_AXIS!r}, but the mesh has only {shown}; add it "
             f"(e.g. --mesh data=2,context=4)"
         )
-    return context_parallel(axis=CONTEXT_AXIS, method=options.method, load_balance=options.load_balance)
+    return context_parallel(
+        axis=CONTEXT_AXIS, method=options.method, load_balance=options.load_balance, shard_params=options.shard_params
+    )

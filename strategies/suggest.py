@@ -138,7 +138,8 @@ def rank(
     ``precisions``; among equally fast plans, fewer microbatches and less recompute first. Each layout is
     resolved once: a policy changes what a device keeps, moves and computes, not where arrays live. Each size
     in ``contexts`` above 1 adds the compositions that split the sequence over a ``context`` axis (cp, with
-    head-tail load balancing: the sequence must split into two half-chunks per device), by ``context_options``.
+    head-tail load balancing: the sequence must split into two half-chunks per device), by ``context_options``,
+    each with the parameters replicated over that axis and split over it (flag ``--cp-shard-params``).
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -156,24 +157,37 @@ def rank(
         if workload.batch % ways:
             skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
             continue
-        try:
-            plan = from_names(strategy, mesh, context=ctx, context_options=context_options)
-            plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
-            plan.check_mesh(mesh)
-            if plan.context is not None:  # the sequence must split over the context axis
-                plan.context.check_length(workload.seq_len, mesh[plan.context.axis], "a sequence")
-            layout = resolve_state(plan, params, optimizer, mesh)
-        except (PlanError, ValueError) as e:
-            skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
-            continue
-        if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
-            continue  # osdp that shards nothing is the data-parallel plan again
         usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
-        for variant, flags in _variants(plan, remats, usable, precisions):
-            est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
-            out.append(Suggestion(mesh, strategy, variant, est, est.memory_bytes <= memory_per_device, flags=flags))
+        for options, split_flags in _context_splits(strategy, context_options):
+            try:
+                plan = from_names(strategy, mesh, context=ctx, context_options=options)
+                plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
+                plan.check_mesh(mesh)
+                if plan.context is not None:  # the sequence must split over the context axis
+                    plan.context.check_length(workload.seq_len, mesh[plan.context.axis], "a sequence")
+                layout = resolve_state(plan, params, optimizer, mesh)
+            except (PlanError, ValueError) as e:
+                skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
+                break
+            if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
+                continue  # osdp that shards nothing is the data-parallel plan again
+            for variant, flags in _variants(plan, remats, usable, precisions):
+                est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
+                fits = est.memory_bytes <= memory_per_device
+                out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags))
     out.sort(key=lambda s: (not s.fits, s.estimate.time.total_s, s.plan.accumulate, s.estimate.flops))
     return out, skipped
+
+
+def _context_splits(
+    strategy: str, options: ContextOptions | None
+) -> list[tuple[ContextOptions | None, tuple[str, ...]]]:
+    """The context options a composition is tried with: as given, and for cp with the parameters split over
+    the context axis too (FSDP over it: the state split that many ways more, for its gathers)."""
+    if "cp" not in strategy.split("+") or (options is not None and options.shard_params):
+        return [(options, ())]
+    split = dataclasses.replace(options or ContextOptions(), shard_params=True)
+    return [(options, ()), (split, ("--cp-shard-params",))]
 
 
 def _variants(

@@ -9,11 +9,13 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 import spmd
 import strategies
 from spmd import costmodel, data, models
-from spmd._context_parallel import MASKED, SKIP, attention_share, block_kinds, causal_attention, halves
+from spmd._context_attention import causal_attention
+from spmd._context_parallel import MASKED, SKIP, attention_share, block_kinds, halves
 from tests.conftest import assert_trees_close, run_cli, train_steps
 
 METHODS = ("allgather", "ring", "alltoall")
@@ -89,34 +91,66 @@ def _steps(plan, shape, model, batch=2):
 
 
 @pytest.mark.parametrize(
-    ("strategy", "method"),
+    ("strategy", "method", "shard"),
     [
-        ("dp+cp", "allgather"),
-        *(pytest.param("dp+cp", m, marks=pytest.mark.slow) for m in ("ring", "alltoall")),
-        pytest.param("zero3+cp", "ring", marks=pytest.mark.slow),
+        ("dp+cp", "allgather", True),
+        *(pytest.param("dp+cp", m, False, marks=pytest.mark.slow) for m in METHODS),
+        pytest.param("zero3+cp", "ring", False, marks=pytest.mark.slow),
     ],
 )
-def test_dp_cp_trains_like_one_device_with_a_batch_smaller_than_the_devices(strategy, method):
+def test_dp_cp_trains_like_one_device_with_a_batch_smaller_than_the_devices(strategy, method, shard):
+    """Batch 2 on 8 devices; with ``shard_params`` the context axis splits the training state too (FSDP over
+    it), each device storing a quarter of what it stores with the parameters replicated over context."""
     model = models.get("gpt-tiny", layers=2)
-    options = strategies.ContextOptions(method)
+    options = strategies.ContextOptions(method, shard_params=shard)
     plan = strategies.from_names(strategy, {"data": 2, "context": 4}, context_options=options)
-    losses, state, _ = _steps(plan, {"data": 2, "context": 4}, model)
+    losses, state, step = _steps(plan, {"data": 2, "context": 4}, model)
     ref_losses, ref, _ = _steps(spmd.Plan(), {"data": 1}, model)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(state.params, ref.params)
+    if shard:
+        replicated = strategies.from_names(strategy, {"data": 2, "context": 4})
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        layout = spmd.resolve_state(replicated, params, optax.sgd(0.1), step.mesh)
+        stored = costmodel.model_state_bytes(step.layout)["params"]
+        assert stored < 0.3 * costmodel.model_state_bytes(layout)["params"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", ["gpt-tiny", "gpt-tiny-nnx"])
-def test_fsdp_tp_cp_trains_like_one_device(method, kind):
+@pytest.mark.parametrize(
+    ("method", "kind", "shard"),
+    [(m, k, False) for m in METHODS for k in ("gpt-tiny", "gpt-tiny-nnx")]
+    + [("ring", "gpt-tiny", True), ("alltoall", "gpt-tiny-nnx", True)],
+)
+def test_fsdp_tp_cp_trains_like_one_device(method, kind, shard):
     model = models.get(kind, layers=2)
     shape = {"fsdp": 2, "context": 2, "tensor": 2}
-    plan = strategies.from_names("fsdp+tp+cp", shape, context_options=strategies.ContextOptions(method))
-    losses, state, _ = _steps(plan, shape, model, batch=4)
+    options = strategies.ContextOptions(method, shard_params=shard)
+    plan = strategies.from_names("fsdp+tp+cp", shape, context_options=options)
+    losses, state, step = _steps(plan, shape, model, batch=4)
     ref_losses, ref, _ = _steps(spmd.Plan(), {"data": 1}, model, batch=4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(state.params, ref.params)
+    assert shard == any("context" in row.axes for row in step.layout.params.leaves)
+
+
+def test_parameters_split_over_context_join_another_split_and_say_where_they_cannot():
+    """FSDP over the context axis takes a free dimension, else joins one another part split (MaxText's
+    ``embed`` over fsdp and context together); an array neither allows keeps a note saying so."""
+    plan = strategies.fsdp(min_bytes=0) + strategies.context_parallel(shard_params=True, min_bytes=0)
+    tree = {
+        "free": nn.LogicallyPartitioned(np.zeros((4, 16, 8)), ("layers", "embed", "mlp")),
+        "joined": nn.LogicallyPartitioned(np.zeros((4, 16)), ("layers", "mlp")),
+        "neither": nn.LogicallyPartitioned(np.zeros((4, 6)), ("layers", "mlp")),
+    }
+    rows = {r.path: r for r in plan.resolve(tree, {"fsdp": 2, "context": 4}).leaves}
+    assert rows["free"].spec == P(None, "fsdp", "context")
+    assert rows["joined"].spec == P(None, ("fsdp", "context"))
+    assert (
+        rows["neither"].spec == P(None, "fsdp") and "no free dimension divisible by 'context'" in rows["neither"].note
+    )
+    with pytest.raises(spmd.PlanError, match=r"shard_params=True\) \(--cp-shard-params\)"):
+        strategies.fsdp(axis="context") + strategies.context_parallel()
 
 
 class _OwnAttention(nn.Module):
@@ -181,6 +215,17 @@ def test_compiled_traffic_and_flops_over_context_are_the_cost_models(capsys, met
 
 
 @pytest.mark.slow
+def test_a_pipelines_traffic_over_context_is_the_cost_models(capsys):
+    """Inside a pipeline the program is automatic over the context axis: the layers' gradients are reduced
+    there at every backward action, as the cost model counts; the stage messages are split over it."""
+    report = _plan_json(capsys, "allgather", "stage=2,context=4", "pp+cp", "--batch-size", "4", "--microbatches", "4")
+    ratio = _over_context(report["collectives"]) / _over_context(report["analytic_collectives"])
+    assert 0.9 <= ratio <= 1.1, ratio
+    stage = lambda rows: sum(c["traffic_bytes"] for c in rows if c["axes"] == ["stage"])  # noqa: E731
+    assert stage(report["collectives"]) == pytest.approx(stage(report["analytic_collectives"]), rel=0.01)
+
+
+@pytest.mark.slow
 def test_load_balancing_halves_the_busiest_devices_attention_in_the_compiled_program(capsys):
     """The compiled program's matmul FLOPs on the busiest device (the block switch weighted by its table) fall
     with head-tail order by what the table says: (2c+1)/(4c−1) of the attention products."""
@@ -225,16 +270,16 @@ def test_ring_attention_in_a_pipeline_and_other_execution_modes_are_refused(caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["allgather", "alltoall"])
-def test_a_pipeline_over_stages_splits_each_stages_sequence_like_one_device(method):
+@pytest.mark.parametrize(("method", "shard"), [("allgather", False), ("alltoall", False), ("alltoall", True)])
+def test_a_pipeline_over_stages_splits_each_stages_sequence_like_one_device(method, shard):
     """stage=2,context=4: each stage's four devices split the sequence (head-tail, moved by all-gathers inside
-    the stages' branches); two 1F1B steps equal one device's."""
+    the stages' branches), and with ``shard_params`` their stage's parameters; two 1F1B steps equal one
+    device's."""
     model = models.get("gpt-tiny", layers=2)
     shape = {"stage": 2, "context": 4}
     options = strategies.PipelineOptions("1f1b", 4)
-    plan = strategies.from_names(
-        "pp+cp", shape, pipeline_options=options, context_options=strategies.ContextOptions(method)
-    )
+    cp = strategies.ContextOptions(method, shard_params=shard)
+    plan = strategies.from_names("pp+cp", shape, pipeline_options=options, context_options=cp)
     losses, state, step = _steps(plan, shape, model, batch=4)
     ref_losses, ref, ref_step = _steps(spmd.Plan(), {"data": 1}, model, batch=4)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -296,3 +341,18 @@ def test_accumulated_microbatches_split_their_sequence_and_train_like_one_device
     ref_losses, ref, ref_step = _steps(spmd.Plan(), {"data": 1}, model, batch=8)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(step.params_of(state), ref_step.params_of(ref))
+
+
+def test_suggest_splits_the_parameters_over_context_where_replicated_state_does_not_fit():
+    """One sequence on 4 devices, 16 MiB of state (4 MiB of weights with Adam's moments) and 8 MiB a device:
+    only cp with the parameters split over the context axis fits, and its run command says so."""
+    from strategies import suggest
+
+    params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    ranked, _ = suggest.rank(
+        params, costmodel.Workload(1, 64), costmodel.HARDWARE["h100"], devices=4, memory_per_device=8 << 20,
+        optimizer=optax.adam(1e-3), max_tensor=1, contexts=(4,),
+    )  # fmt: skip
+    fitting = [(s.strategy, s.flags) for s in ranked if s.fits]
+    assert fitting and all(flags[:1] == ("--cp-shard-params",) for _, flags in fitting), fitting
+    assert any(s.strategy == "cp" and not s.fits and not s.flags for s in ranked)

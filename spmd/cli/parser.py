@@ -40,7 +40,7 @@ MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program ta
 _STRATEGY_FLAGS = (
     (("coverage", "granularity", "masking"), "sdp", "subnetwork data parallelism"),
     (("schedule", "microbatches", "virtual", "layers_per_stage"), "pp", "pipeline parallelism"),
-    (("cp_method", "no_load_balance"), "cp", "context parallelism"),
+    (("cp_method", "no_load_balance", "cp_shard_params"), "cp", "context parallelism"),
 )
 
 
@@ -150,6 +150,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-load-balance", action="store_true", help="cp: keep the sequence in order (no head-tail layout)"
+    )
+    p.add_argument(
+        "--cp-shard-params", action="store_true", help="cp: split the parameters over the context axis too (FSDP)"
     )
     p.add_argument("--block", type=int, help="align FSDP shards to whole blocks of this many rows (veScale)")
     p.add_argument(

@@ -24,7 +24,16 @@ from spmd.devices import Profile, parse_bytes
 from spmd.execution import PipelineSpec, Shares
 from spmd.pipeline import Schedule
 
-__all__ = ["Setup", "hardware_of", "optimizer_of", "profile_of", "schedule_arg", "setup", "size_overrides"]
+__all__ = [
+    "Setup",
+    "context_options",
+    "hardware_of",
+    "optimizer_of",
+    "profile_of",
+    "schedule_arg",
+    "setup",
+    "size_overrides",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,22 +194,30 @@ def _plan(
     subnet = None
     if hasattr(args, "coverage"):
         subnet = strategies.SubnetOptions(args.coverage, args.granularity, args.masking, args.seed)
-    cp = None
-    if hasattr(args, "cp_method"):
-        cp = strategies.ContextOptions(args.cp_method, not args.no_load_balance)
     plan = strategies.from_names(
         strategy,
         dict(mesh.shape),
         context=context,
         pipeline_options=options,
         subnet_options=subnet,
-        context_options=cp,
+        context_options=context_options(args),
         block=getattr(args, "block", None),
     )
     if getattr(args, "precision", "fp32") == "bf16":
         plan = plan + strategies.mixed_precision(compute="bfloat16", params="float32", gather="bfloat16")
     state = [part for part in getattr(args, "offload", None) or () if part != "activations"]
     return plan + strategies.offload(*state) if state else plan
+
+
+def context_options(args: argparse.Namespace) -> strategies.ContextOptions | None:
+    """How ``cp`` splits the sequence, from the --cp-* flags (None where the command has none).
+
+    >>> context_options(argparse.Namespace(cp_method="ring", no_load_balance=False, cp_shard_params=True))
+    ContextOptions(method='ring', load_balance=True, shard_params=True)
+    """
+    if not hasattr(args, "cp_method"):
+        return None
+    return strategies.ContextOptions(args.cp_method, not args.no_load_balance, args.cp_shard_params)
 
 
 def _mesh(shape: dict[str, int], dcn: dict[str, int] | None, explicit: bool) -> jax.sharding.Mesh:

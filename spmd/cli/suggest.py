@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 
 import spmd
-import strategies
 from spmd import costmodel, models
 from spmd.cli.common import console as make_console
 from spmd.cli.common import dumps
-from spmd.cli.setup import hardware_of, optimizer_of, size_overrides
+from spmd.cli.setup import context_options, hardware_of, optimizer_of, size_overrides
 from strategies import suggest as search
 
 __all__ = ["command"]
@@ -40,7 +39,7 @@ def command(args: argparse.Namespace) -> int:
         max_tensor=args.max_tensor,
         # A context axis splits the sequence (cp): every size the devices and the sequence's half-chunks allow.
         contexts=[c for c in range(1, min(args.max_context, devices) + 1) if devices % c == 0],
-        context_options=strategies.ContextOptions(args.cp_method, not args.no_load_balance),
+        context_options=context_options(args),
         remat=args.remat,
         # The policies are searched with the strategies: every remat policy (unless --remat fixes one), up to 8
         # microbatches per step, and bf16 only where asked for, since it changes the numbers a step computes.
@@ -118,6 +117,7 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
         parts.append(f"--seq-len {args.seq_len}")
     if "cp" in best.strategy.split("+"):  # the context options the ranking priced
         parts += [f"--cp-method {args.cp_method}"] + (["--no-load-balance"] if args.no_load_balance else [])
+        parts += ["--cp-shard-params"] if args.cp_shard_params else []
     if args.device_kind:  # the cost model's device, which chooses osdp's layout
         parts.append(f"--device-kind {args.device_kind}")
     parts.append(f"--batch-size {args.batch_size} --memory-per-device {args.memory_per_device}")

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
-from spmd._context_parallel import attention, balance_sequence, restore_sequence, sequence_positions
+from spmd._context_attention import attention, balance_sequence, restore_sequence, sequence_positions
 from spmd._pipeline import StagedModel
 from spmd.models.config import LMConfig
 

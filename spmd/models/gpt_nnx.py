@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmd import axes as A
 from spmd._context import constrain
-from spmd._context_parallel import balance_sequence, restore_sequence, sequence_positions
+from spmd._context_attention import balance_sequence, restore_sequence, sequence_positions
 from spmd._pipeline import StagedModel
 from spmd._remat import Remat
 from spmd.models.config import LMConfig
