@@ -99,8 +99,9 @@ class Executor(NamedTuple):
       whole, and the executor takes its own share);
     - ``costs(layout, batch, workload)``: what the mode changes in the cost model (:class:`spmd.costmodel.
       Contribution`); ``summary(layout, batch)``: its figures for the report, or None;
-    - ``branch_weights``: for named scopes of switches in the compiled program, how often each branch runs
-      (the report weighs the collectives inside by it);
+    - ``branch_weights``: for named scopes of switches in the compiled program, how often each branch runs,
+      and for a named loop whose bound each device reads for itself, one weight: the busiest device's trip
+      count (the report weighs the collectives and FLOPs inside by them);
     - ``engine``: the object implementing the mode, for inspection (a pipeline's tick table, say).
 
     Everything but ``value_and_grad`` has a default, so plain differentiation is one line:

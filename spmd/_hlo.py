@@ -394,15 +394,17 @@ def _callees(instr: _Instr, branch_weights: Mapping[str, Sequence[float]]) -> li
     if instr.opcode.endswith(("-done", "-update")) or _collective_kind(instr.opcode):
         return []
     attrs = _QUOTED.sub('""', instr.attrs)
-    trips = 1
+    scope = _OP_NAME.search(instr.attrs)
+    path = scope.group(1) if scope else ""
+    trips: float = 1
     if instr.opcode == "while":
         found = _TRIP_COUNT.search(instr.attrs)
-        # Without a known trip count the body is counted once: a lower bound.
-        trips = int(found.group(1)) if found else 1
+        # A loop whose bound each device reads for itself (uneven shares) is weighed by its named scope's one
+        # weight, the busiest device's trip count; without either, the body is counted once: a lower bound.
+        named = next((w for name, w in branch_weights.items() if path.endswith(f"{name}/while") and len(w) == 1), None)
+        trips = int(found.group(1)) if found else float(named[0]) if named else 1
     weights = None
     if instr.opcode == "conditional":
-        scope = _OP_NAME.search(instr.attrs)
-        path = scope.group(1) if scope else ""
         weights = next((w for name, w in branch_weights.items() if path.endswith(f"{name}/cond")), None)
     out = []
     for key, value in _CALLEE_ATTR.findall(attrs):

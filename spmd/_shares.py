@@ -11,6 +11,8 @@ the data, not the devices.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +23,14 @@ from jax.sharding import Mesh, PartitionSpec
 
 from spmd._executor import Executor, Task
 from spmd._keys import StepKey, call_loss
+from spmd.costmodel import Contribution, data_parallel_traffic
 
 if TYPE_CHECKING:
     from spmd._specs import Shares
 
 __all__ = ["UnevenData", "uneven_executor"]
+
+LOOP_SCOPE = "spmd_uneven_loop"  # the loop over a device's own microbatches, named for the compiled program's counts
 
 
 class UnevenData:
@@ -99,7 +104,8 @@ class UnevenData:
 
             start = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
             # A bound read from the table by position: each device runs its own number of iterations.
-            grads, loss, count = jax.lax.fori_loop(0, loops[jax.lax.axis_index(axis)], step, start)
+            with jax.named_scope(LOOP_SCOPE):  # lets the compiled program's counts weigh it (see uneven_executor)
+                grads, loss, count = jax.lax.fori_loop(0, loops[jax.lax.axis_index(axis)], step, start)
             loss, grads = jax.lax.psum((loss, grads), axis)
             return loss, grads, count[None]
 
@@ -124,5 +130,18 @@ def uneven_executor(spec: Shares, task: Task) -> Executor:
     False
     """
     engine = UnevenData(task.loss, spec, task.mesh)
+    costs = functools.partial(_costs, spec, task.plan, task.mesh)
+    # The compiled program's FLOPs and collectives are the busiest device's: its loop runs the most iterations.
+    busiest = {LOOP_SCOPE: (float(max(spec.loops)),)}
     # Any batch size: the shares, not an even split, place its examples.
-    return Executor(engine.value_and_grad, splits_batch=False, keyed=True, engine=engine)
+    return Executor(
+        engine.value_and_grad, splits_batch=False, keyed=True, engine=engine, costs=costs, branch_weights=busiest
+    )
+
+
+def _costs(spec: Shares, plan: Any, mesh: Mesh, layout: Any, batch: Any, workload: Any) -> Contribution:
+    """Each loop iteration is a microbatch: parameters split over the batch axes inside a rank (FSDP's) are
+    gathered, and their gradients reduce-scattered, at every iteration of the busiest position; the gradients
+    are reduced over the axis once, after its loop (as accumulated microbatches are: ``plan.accumulate``)."""
+    looped = dataclasses.replace(plan, accumulate=max(spec.loops))
+    return Contribution(traffic=tuple(data_parallel_traffic(layout, looped, mesh.shape)))

@@ -22,7 +22,7 @@ from spmd._schedule import Schedule
 if TYPE_CHECKING:
     from spmd._executor import Executor, Task
 
-__all__ = ["GRANULARITIES", "MASKINGS", "ExecutionSpec", "PipelineSpec", "Shares", "SubnetSpec"]
+__all__ = ["GRANULARITIES", "MASKINGS", "ExecutionSpec", "PipelineSpec", "Shares", "SimulatedSubnets", "SubnetSpec"]
 
 
 class ExecutionSpec:
@@ -197,3 +197,29 @@ class SubnetSpec(ExecutionSpec):
         from spmd._subnet import subnet_executor
 
         return subnet_executor(self, task)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedSubnets(ExecutionSpec):
+    """``subnet``'s algorithm over ``workers`` workers simulated on one device, parameters in the model's layout:
+    the single-device reference of a subnetwork plan (``--check``). Uses no mesh axis.
+
+    >>> SimulatedSubnets(SubnetSpec(coverage=0.5), workers=8).describe()
+    'subnetworks over 8 simulated workers (coverage 0.5, block, forward masking)'
+    """
+
+    subnet: SubnetSpec
+    workers: int
+    source: ClassVar[str] = "sdp"
+
+    def describe(self) -> str:
+        s = self.subnet
+        return (
+            f"subnetworks over {self.workers} simulated workers (coverage {s.coverage:g}, {s.granularity}, "
+            f"{s.masking} masking)"
+        )
+
+    def executor(self, task: Task) -> Executor:
+        from spmd._subnet import simulated_subnet_executor
+
+        return simulated_subnet_executor(self.subnet, self.workers, task)

@@ -25,6 +25,7 @@ parallelism moves. A loss that draws random numbers gets, on worker ``w``, the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ from spmd.costmodel import Contribution, Workload, subnet_traffic
 if TYPE_CHECKING:
     from spmd._specs import SubnetSpec
 
-__all__ = ["Ownership", "Subnetworks", "ownership", "subnet_executor"]
+__all__ = ["Ownership", "Subnetworks", "ownership", "simulated_subnet_executor", "subnet_executor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,9 @@ class Subnetworks:
         narrow: Callable[[Mapping[str, int]], Callable[[Any, Any], jax.Array]] | None,
         params: Any,
         layers_key: tuple[str, ...] = ("params", names.LAYERS),
+        workers: int | None = None,
     ) -> None:
-        if spec.axis not in mesh.shape:
+        if workers is None and spec.axis not in mesh.shape:
             raise ValueError(f"sdp: the mesh has no axis {spec.axis!r} ({dict(mesh.shape)}); add the data axis")
         self.spec, self.mesh, self.loss_fn, self.narrow, self.layers_key = spec, mesh, loss_fn, narrow, layers_key
         flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
@@ -148,7 +150,7 @@ class Subnetworks:
         # Per path, the model's logical names.
         self.names = {path: tuple(x.names) if is_box(x) and hasattr(x, "names") else None for path, x in flat}
         self.sizes, layers = self._group_sizes(flat)
-        self.owners = ownership(spec, mesh.shape[spec.axis], self.sizes, layers)
+        self.owners = ownership(spec, workers or mesh.shape[spec.axis], self.sizes, layers)
 
     def _group_sizes(self, flat: list[tuple[str, Any]]) -> tuple[dict[str, int], int]:
         sizes: dict[str, int] = {}
@@ -406,3 +408,51 @@ def subnet_executor(spec: SubnetSpec, task: Task) -> Executor:
     if spec.masking == "forward":
         return Executor(engine.value_and_grad, to_stored=engine.own, to_model=engine.full, **shared)
     return Executor(engine.backward_value_and_grad, to_trained=engine.own, from_trained=engine.rebuild, **shared)
+
+
+def _simulated_value_and_grad(
+    engine: Subnetworks, params: Any, batch: Any, draw: StepKey | None = None
+) -> tuple[jax.Array, Any]:
+    """The same step on one device, in the model's layout (the ``--check`` reference): worker ``w`` of
+    ``owners.workers`` takes its rows of the batch and ``draw.fold(w)``, runs its subnetwork (forward masking)
+    or the full model keeping its own groups' gradients (backward), and the gradients are combined by the SDP
+    rule. The owners of a part hold equal copies updated by equal gradients, so an elementwise optimizer on
+    the full layout updates each part as every one of its owners does."""
+    owners = engine.owners
+    per_group = owners.workers // owners.parts
+    forward = engine.spec.masking == "forward"
+    loss_fn = engine.narrow(engine.kept) if forward else engine.loss_fn
+    rows = jax.tree.leaves(batch)[0].shape[0] // owners.workers
+    losses, grads = [], []
+    for w in range(owners.workers):
+        part = np.array([owners.part_of[w]])
+        own = lambda path, x, part=part: engine._take(path, x, part)[0] if engine._dim(path) else x  # noqa: E731
+        local = jax.tree.map(lambda x, w=w: x[w * rows : (w + 1) * rows], batch)
+        key = None if draw is None else draw.fold(w)
+        f = lambda p, local=local, key=key: call_loss(loss_fn, p, local, key)  # noqa: E731
+        if forward:
+            loss, g = jax.value_and_grad(f)(engine._map(own, params))
+        else:
+            loss, g = jax.value_and_grad(f)(params)
+            g = engine._map(own, g)
+        losses.append(loss)
+        grads.append(g)
+
+    def combine(path: str, *gs: jax.Array) -> jax.Array:
+        if not engine._dim(path):
+            return sum(gs) / owners.workers
+        return engine._joined(path, [sum(gs[w] for w in group) / per_group for group in owners.owner_groups])
+
+    flat = [jax.tree_util.tree_flatten_with_path(g, is_leaf=is_box)[0] for g in grads]
+    paths = ["/".join(key_name(k) for k in path) for path, _ in flat[0]]
+    combined = [combine(path, *(f[i][1] for f in flat)) for i, path in enumerate(paths)]
+    return sum(losses) / owners.workers, jax.tree_util.tree_unflatten(jax.tree.structure(grads[0]), combined)
+
+
+def simulated_subnet_executor(spec: SubnetSpec, workers: int, task: Task) -> Executor:
+    """Subnetwork data parallelism over ``workers`` simulated on one device, in the model's layout: what
+    ``--check`` compares an SDP run with (the reference of plain training would be another algorithm)."""
+    if spec.masking == "forward" and task.narrow is None:
+        raise PlanError("simulated subnetworks with forward masking need narrow= (see subnet_executor)")
+    engine = Subnetworks(spec, task.mesh, task.loss, task.narrow, task.params, workers=workers)
+    return Executor(functools.partial(_simulated_value_and_grad, engine), keyed=True, engine=engine)

@@ -3,7 +3,8 @@
 A plan carries at most one execution spec (``Plan.execution``: plain data); the spec builds an
 :class:`Executor` (a value of pure functions) for a :class:`Task`. Plain SPMD execution (:func:`plain`), pipelines
 (:class:`PipelineSpec`, :class:`spmd.pipeline.Pipeline`), uneven data shares (:class:`Shares`,
-:class:`UnevenData`) and subnetworks (:class:`SubnetSpec`, :class:`Subnetworks`) are its implementations; a new
+:class:`UnevenData`) and subnetworks (:class:`SubnetSpec`, :class:`Subnetworks`; :class:`SimulatedSubnets` runs
+their algorithm on one device, the reference a subnetwork run is checked against) are its implementations; a new
 mode is an :class:`ExecutionSpec` whose ``executor`` returns an :class:`Executor`. A keyed executor passes the
 step's :class:`StepKey` to the loss with :func:`call_loss`.
 
@@ -18,7 +19,7 @@ from spmd._executor import Executor, Summary, Task, identity, plain
 from spmd._keys import StepKey, call_loss
 from spmd._pipeline import pipeline_executor
 from spmd._shares import UnevenData, uneven_executor
-from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Shares, SubnetSpec
+from spmd._specs import GRANULARITIES, MASKINGS, ExecutionSpec, PipelineSpec, Shares, SimulatedSubnets, SubnetSpec
 from spmd._subnet import Ownership, Subnetworks, ownership, subnet_executor
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "PipelineSpec",
     "Shares",
     "StepKey",
+    "SimulatedSubnets",
     "SubnetSpec",
     "Subnetworks",
     "Summary",

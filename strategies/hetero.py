@@ -322,12 +322,8 @@ def apply_profile(
             "a device profile gives data-parallel ranks uneven batch shares, or pipeline stages uneven layers: "
             "the plan needs a data axis (dp) or a pipeline (pp); or pass --even"
         )
-    others = [a for a in plan.batch_axes if a != "data" and mesh_axes.get(a, 1) > 1]
-    if others:
-        raise ValueError(
-            f"uneven batch shares split only the data axis, but this plan also splits the batch over {others}; "
-            f"use dp with tp (or pass --even)"
-        )
+    # A rank's devices along the other batch axes (FSDP's) split each of its microbatches evenly between them.
+    within = math.prod(mesh_axes.get(a, 1) for a in plan.batch_axes if a != "data")
     state_bytes = example_bytes = 0
     if any(m is not None for m in profile.memory):
         layout = resolve_state(plan, params, optimizer, mesh_axes)
@@ -341,7 +337,7 @@ def apply_profile(
         axis="data",
         state_bytes=state_bytes,
         example_bytes=example_bytes,
-        granularity=microbatch,
+        granularity=microbatch * within,
     )
     return plan + uneven_data_parallel(shares)
 

@@ -104,6 +104,38 @@ def test_cli_run_uneven_data_parallel_checked(capsys):
     assert code == 0 and j["batch_shares"] == [12, 12, 4, 4, 4, 4, 8, 8] and j["max_abs_diff"] <= 1e-4
 
 
+@pytest.mark.parametrize(
+    ("mesh", "speeds", "shares"),
+    [
+        ("data=4,fsdp=2", "3,3,1,1,1,1,2,2", [24, 8, 8, 16]),
+        pytest.param("data=2,fsdp=4", "2,2,2,2,1,1,1,1", [36, 20], marks=pytest.mark.slow),
+    ],
+)
+def test_cli_run_uneven_shares_inside_fsdp_checked(capsys, mesh, speeds, shares):
+    """Shares by speed per data rank, each rank's microbatches split over its fsdp devices, the parameters
+    gathered over fsdp at every iteration of a rank's own loop: equal to one device."""
+    args = ("--model", "gpt-tiny", "--mesh", mesh, "--strategy", "dp+fsdp", "--device-speeds", speeds,
+            "--batch-size", "56", "--json")  # fmt: skip
+    code, out, err = run_cli(capsys, "run", *args, "--steps", "2", "--check")
+    j = json.loads(out)
+    assert code == 0 and j["batch_shares"] == shares and j["max_abs_diff"] <= 1e-4, err
+
+
+def test_uneven_fsdp_traffic_and_work_are_the_busiest_ranks(capsys):
+    """The compiled program's counts weigh the loop by the busiest rank's iterations: its FSDP gathers and
+    reduce-scatters are the cost model's (one per iteration), its matmul FLOPs its share over the even one."""
+    code, out, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=4,fsdp=2", "--strategy", "dp+fsdp",
+        "--device-speeds", "3,3,1,1,1,1,2,2", "--batch-size", "56", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    j = json.loads(out)
+    over_fsdp = lambda rows: sum(c["traffic_bytes"] for c in rows if c["axes"] == ["fsdp"])  # noqa: E731
+    assert over_fsdp(j["collectives"]) == pytest.approx(over_fsdp(j["analytic_collectives"]), rel=0.1)
+    # The busiest rank takes 24 of the 56 examples, the even split 14.
+    assert j["compiled_flops_per_device"] == pytest.approx(j["flops_per_device"] * 24 / 14, rel=0.02)
+
+
 def test_cli_run_uneven_pipeline_stages_checked(capsys):
     code, out, _ = run_cli(
         capsys, "run", "--model", "gpt-tiny", "--mesh", "stage=4,data=2", "--strategy", "pp+dp", "--device-speeds",

@@ -17,6 +17,7 @@ from spmd._hlo import (
     _parse_groups,
     _shape_bytes,
     collectives,
+    matmul_flops,
 )
 
 AXES = ("data", "fsdp", "tensor")
@@ -93,6 +94,23 @@ def test_nested_fori_loops_multiply(mesh: Mesh) -> None:
 
     ops = _ops(mesh, f, P(), P(), jnp.ones((16, 32), jnp.float32))
     assert ops == [Collective("all-reduce", ("data",), 2, 12, 12 * F32_16x32, 12 * F32_16x32)]
+
+
+def test_a_named_loop_with_each_devices_own_bound_weighs_by_its_given_trip_count(mesh: Mesh) -> None:
+    """A loop whose bound each device reads from a table (uneven shares) has no known trip count; its named
+    scope's one weight stands for the busiest device's, for its collectives and its matmuls alike."""
+
+    def f(a, b):
+        bound = jnp.asarray([3, 1])[lax.axis_index("data")]
+        with jax.named_scope("my_loop"):
+            return lax.fori_loop(0, bound, lambda i, c: lax.psum(c @ b, "tensor"), a)
+
+    text = _hlo(_shard_map(mesh, f, (P(), P()), P()), jnp.ones((16, 32)), jnp.ones((32, 32)))
+    assert "known_trip_count" not in text
+    once = collectives(text, mesh)
+    weighed = collectives(text, mesh, branch_weights={"my_loop": (3.0,)})
+    assert [c.count for c in once] == [1] and [c.count for c in weighed] == [3]
+    assert matmul_flops(text, branch_weights={"my_loop": (3.0,)}) == 3 * matmul_flops(text) == 3 * 2 * 16 * 32 * 32
 
 
 def test_combined_all_reduce_sums_tuple_elements(mesh: Mesh) -> None:

@@ -218,3 +218,23 @@ def test_owned_arrays_are_stored_per_worker_and_split_over_data():
     row = next(r for r in layout.params.leaves if r.path.endswith("mlp/wi/kernel"))
     assert row.names[0] == "worker" and row.spec[0] == "data" and row.shape[:2] == (8, 1)
     assert row.bytes_per_device == row.bytes // 8
+
+
+@pytest.mark.parametrize(
+    ("mesh", "strategy", "batch"),
+    [
+        ("data=4,tensor=2", "sdp+tp", 16),
+        pytest.param("data=2,tensor=4", "sdp+tp", 8, marks=pytest.mark.slow),
+        pytest.param("data=4,fsdp=2", "sdp+fsdp", 16, marks=pytest.mark.slow),
+        pytest.param("data=2,fsdp=4", "sdp+fsdp", 8, marks=pytest.mark.slow),
+    ],
+)
+def test_cli_check_compares_sdp_with_sdp_simulated_on_one_device(capsys, mesh, strategy, batch):
+    """Subnetworks composed with tp or fsdp on the other axis train as the same subnetwork algorithm does on one
+    device, its workers simulated one after another (the same ownership, the owner-averaged update)."""
+    code, out, _ = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, "--coverage", "0.5",
+        "--batch-size", str(batch), "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    j = json.loads(out)
+    assert code == 0 and j["max_abs_diff"] <= 1e-4, j

@@ -19,6 +19,7 @@ import spmd
 from spmd.cli.common import console
 from spmd.cli.parser import UsageError
 from spmd.cli.setup import Setup
+from spmd.execution import SimulatedSubnets, SubnetSpec
 
 __all__ = ["BF16_ROUNDOFF", "Trained", "bf16_check", "max_abs_diff", "reference", "train"]
 
@@ -263,7 +264,11 @@ def reference(s: Setup, args: argparse.Namespace, quiet: bool) -> Trained:
     explicit = jax.sharding.AxisType.Explicit in s.mesh.axis_types
     one = spmd.make_mesh({a: 1 for a in s.mesh.axis_names}, devices=jax.local_devices()[:1], explicit=explicit)
     # The same non-finite policy too, and the same precision policy: bf16 is compared with bf16.
-    plain = dataclasses.replace(s, mesh=one, plan=spmd.Plan(precision=s.plan.precision), profile=None)
+    # Subnetworks are another algorithm than plain training: the reference runs it, its workers simulated.
+    spec = s.plan.execution
+    execution = SimulatedSubnets(spec, s.mesh.shape[spec.axis]) if isinstance(spec, SubnetSpec) else None
+    plan = spmd.Plan(precision=s.plan.precision, execution=execution)
+    plain = dataclasses.replace(s, mesh=one, plan=plan, profile=None)
     # The reference saves nothing: the run's checkpoints are the run's.
     alone = argparse.Namespace(**{**vars(args), "checkpoint_dir": None, "resume": False, "overwrite": False})
     return train(plain, alone, label="one device", quiet=quiet)
