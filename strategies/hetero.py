@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from spmd import Plan, costmodel, resolve_state
+from spmd import Plan, costmodel, format_bytes, resolve_state
 from spmd import axes as A
 from spmd.costmodel import StepTime
 from spmd.devices import Profile
@@ -146,19 +146,44 @@ def batch_shares(
     if granularity < 1 or batch % granularity:
         raise ValueError(f"a batch of {batch} cannot be split into microbatches of {granularity}; pick a divisor")
     caps = []
-    for memory in _rank_memory(profile, mesh_axes, axis):
+    for i, memory in enumerate(_rank_memory(profile, mesh_axes, axis)):
         if memory is None or example_bytes <= 0:
             caps.append(None)
             continue
         if memory <= state_bytes:
             raise ValueError(
-                f"a device has {memory} bytes of memory but the model state alone needs {state_bytes} per device; "
-                f"shard the parameters (fsdp, zero3) or use devices with more memory"
+                f"{_named(mesh_axes, axis, i)} has {format_bytes(memory)} of memory but the model state alone "
+                f"needs {format_bytes(state_bytes)} per device; shard the parameters (fsdp, zero3) or use devices "
+                f"with more memory"
             )
         caps.append((memory - state_bytes) // example_bytes)
     units = [None if c is None else c // granularity for c in caps]
-    split = proportional_split(batch // granularity, rank_speeds(profile, mesh_axes, axis), caps=units)
+    speeds = rank_speeds(profile, mesh_axes, axis)
+    split = proportional_split(batch // granularity, speeds, caps=units)
+    if 0 in split:
+        # A position with no microbatch idles through every step: the batch is too small for these speeds.
+        i = split.index(0)
+        why = "its memory holds none" if units[i] == 0 else f"its speed is {speeds[i]:g} of {sum(speeds):g} in all"
+        least = granularity * math.ceil(sum(speeds) / min(speeds))
+        raise ValueError(
+            f"{_named(mesh_axes, axis, i)} gets none of the batch of {batch} (shares "
+            f"{[granularity * s for s in split]}: {why}); give a --batch-size of at least {least}, so every "
+            f"position has a microbatch of {granularity}, or leave the device out of the mesh"
+        )
     return tuple(granularity * s for s in split)
+
+
+def _named(mesh_axes: Mapping[str, int], axis: str, position: int) -> str:
+    """Position ``position`` along ``axis`` and the devices (in mesh order) that share it.
+
+    >>> _named({"data": 2, "tensor": 2}, "data", 1)
+    'data position 1 (devices 2, 3)'
+    """
+    grid = np.moveaxis(
+        np.arange(math.prod(mesh_axes.values())).reshape(tuple(mesh_axes.values())), list(mesh_axes).index(axis), 0
+    )
+    devices = sorted(int(d) for d in grid[position].reshape(-1))
+    return f"{axis} position {position} (device{'s' if len(devices) > 1 else ''} {', '.join(map(str, devices))})"
 
 
 def stage_layers(

@@ -43,8 +43,21 @@ def test_memory_caps_take_work_from_a_fast_device_with_little_memory():
     assert capped == (6, 9, 9, 8, 8) and sum(capped) == 40
     with pytest.raises(ValueError, match=r"cannot place 40 units: the caps \[6, 6, 6, 6, 6\] hold only 30 in all"):
         hetero.batch_shares(40, small.reordered([0, 0, 0, 0, 0]), {"data": 5}, state_bytes=1000, example_bytes=100)
-    with pytest.raises(ValueError, match="the model state alone needs 5000 per device"):
+    with pytest.raises(ValueError, match=r"data position 0 \(device 0\) has 1.6 KiB .* state alone needs 4.9 KiB"):
         hetero.batch_shares(40, small, {"data": 5}, state_bytes=5000, example_bytes=100)
+
+
+def test_a_profile_that_leaves_a_device_without_work_is_refused_naming_it(capsys):
+    """Speeds 100:1 over a batch of 16 would give data positions 2 to 7 nothing: refused, naming the first
+    and the batch that gives every position a microbatch."""
+    with pytest.raises(ValueError, match=r"data position 1 \(devices 2, 3\) gets none .* at least 6\b"):
+        hetero.batch_shares(2, Profile.from_speeds([5, 5, 1, 1]), {"data": 2, "tensor": 2})
+    code, _, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "16",
+        "--device-speeds", "100,1,1,1,1,1,1,1",
+    )  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "data position 2 (device 2) gets none of the batch of 16" in err and "at least 107" in err
 
 
 @pytest.mark.parametrize("speeds", [[2, 2, 2, 2, 1, 1, 1, 1], [3, 3, 3, 3, 1, 1, 1, 1], [4, 4, 2, 2, 2, 1, 1, 1]])

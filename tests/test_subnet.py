@@ -238,3 +238,24 @@ def test_cli_check_compares_sdp_with_sdp_simulated_on_one_device(capsys, mesh, s
     )  # fmt: skip
     j = json.loads(out)
     assert code == 0 and j["max_abs_diff"] <= 1e-4, j
+
+
+@pytest.mark.parametrize("other", ["fsdp", "tp"])
+def test_composed_subnetworks_shrink_the_state_with_coverage_as_on_data_alone(other):
+    """On data=4 × (fsdp or tensor)=2, a device's model state under sdp is at most coverage × the owned share
+    (the layers) plus the shared share (embeddings, norms, head) of the same plan without sdp, plus 5%."""
+    model = models.get("gpt-tiny")
+    mesh = spmd.make_mesh({"data": 4, "fsdp" if other == "fsdp" else "tensor": 2})
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    narrow = lambda kept: models.loss_fn(models.narrowed(model, kept))  # noqa: E731
+
+    def state(plan):
+        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=params, narrow=narrow)
+        rows = [*step.layout.params.leaves, *step.layout.grads.leaves, *step.layout.moments.leaves]
+        return sum(r.bytes_per_device for r in rows), sum(r.bytes_per_device for r in rows if "/layers/" not in r.path)
+
+    base, shared = state(strategies.from_names(f"dp+{other}", dict(mesh.shape)))
+    for coverage in (0.5, 0.25):
+        options = strategies.SubnetOptions(coverage=coverage)
+        sdp, _ = state(strategies.from_names(f"sdp+{other}", dict(mesh.shape), subnet_options=options))
+        assert sdp <= coverage * (base - shared) + shared + 0.05 * base, (coverage, sdp / base, shared / base)
