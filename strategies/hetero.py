@@ -13,7 +13,7 @@ Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
 - :func:`apply_profile`: a plan made uneven for a profile: layers per stage for a pipeline, batch shares for
   data parallelism;
 - :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
-  :func:`summary` puts them together for a plan.
+  :func:`summary` puts them together for a plan, :func:`profiled_step_time` gives any plan's on a profile.
 
 >>> from spmd.devices import Profile
 >>> from strategies import hetero
@@ -45,6 +45,7 @@ __all__ = [
     "kind_order",
     "modelled_step_times",
     "pipeline_step_times",
+    "profiled_step_time",
     "proportional_split",
     "rank_speeds",
     "stage_layers",
@@ -294,15 +295,20 @@ def summary(
         even = (total // len(layers),) * len(layers) if total % len(layers) == 0 else layers
         # One layer's F, B or W for one microbatch: the whole step's FLOPs over 3 · layers · microbatches.
         layer_s = flops_per_device * math.prod(mesh_axes.values()) / (3 * total * s.microbatches) / rate
-        times = pipeline_step_times(s, even, layers, [x / max(speeds) for x in speeds], layer_s)
+        times = pipeline_step_times(s, even, layers, [x / max(profile.speeds) for x in speeds], layer_s)
         out["layers_per_stage"] = list(layers)
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
         uneven = spec if isinstance(spec, Shares) else None
         shares = list(uneven.shares) if uneven else [batch / len(speeds)] * len(speeds)
-        # The cost model's average device does batch / ranks examples.
-        per_example_s = flops_per_device * len(speeds) / batch / rate
-        times = modelled_step_times(per_example_s, [x / max(speeds) for x in speeds], shares, modelled.comm_s)
+        # The cost model's average device does batch / ways examples; a rank's share is split over its devices
+        # along the other data axes (FSDP's, the context axis).
+        ways = math.prod(mesh_axes.get(a, 1) for a in plan.data_axes) or 1
+        within = ways / len(speeds)
+        per_example_s = flops_per_device * ways / batch / rate
+        per_device = [x / within for x in shares]
+        relative = [x / max(profile.speeds) for x in speeds]  # the cost model priced the fastest device
+        times = modelled_step_times(per_example_s, relative, per_device, modelled.comm_s)
         out["batch_shares"] = list(uneven.shares) if uneven else None
     return out | {
         "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
@@ -310,6 +316,27 @@ def summary(
         "ideal_speedup": times["ideal"],
         "device_speeds": list(profile.speeds),
     }
+
+
+def profiled_step_time(
+    plan: Plan,
+    mesh_axes: Mapping[str, int],
+    profile: Profile,
+    batch: int,
+    flops_per_device: float,
+    modelled: StepTime,
+) -> float:
+    """``plan``'s modelled step on the devices of ``profile``: the uneven split's (:func:`summary`) for a plan
+    with batch shares or a pipeline; otherwise every device does the same work, and the slowest paces the step.
+
+    >>> t = StepTime(compute_s=1.0, comm_s=0.5, hardware="cpu")
+    >>> profiled_step_time(Plan(), {"tensor": 2}, Profile.from_speeds([3, 1]), 8, 1e9, t)  # 3× the fast device's
+    3.5
+    """
+    if isinstance(plan.execution, Shares | PipelineSpec):
+        summed = summary(plan, mesh_axes, profile, batch, flops_per_device, modelled)
+        return summed["simulated_step_time"]["hetero"]
+    return modelled.compute_s * max(profile.speeds) / min(profile.speeds) + modelled.comm_s
 
 
 def apply_profile(

@@ -22,7 +22,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
+from spmd.devices import Profile
+from spmd.execution import Shares
 from strategies import Context, ContextOptions, from_names
+from strategies.hetero import profiled_step_time
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
 _DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
@@ -52,6 +55,12 @@ class Suggestion:
     compiled_comm_bytes: int | None = None
     confirmed: bool | None = None  # whether the compiled program's peak fits the budget (None: not compiled)
     flags: tuple[str, ...] = ()  # the training policies chosen beyond the strategy's own, as spmd run flags
+    profiled_s: float | None = None  # the modelled step on a device profile's devices (None: no profile)
+
+    @property
+    def step_s(self) -> float:
+        """The modelled step time it is ranked by: on the profile's devices where one is given."""
+        return self.estimate.time.total_s if self.profiled_s is None else self.profiled_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +71,8 @@ class Suggestion:
             "policies": " ".join(self.flags),
             "fits": self.fits,
             "modelled": self.estimate.to_dict(),
+            "modelled_step_on_profile_s": self.profiled_s,
+            "batch_shares": list(self.plan.execution.shares) if isinstance(self.plan.execution, Shares) else None,
             "compiled_memory": self.compiled_memory,
             "compiled_comm_bytes": self.compiled_comm_bytes,
             "confirmed": self.confirmed,
@@ -128,6 +139,8 @@ def rank(
     precisions: Sequence[Precision | None] = (None,),
     contexts: Sequence[int] = (1,),
     context_options: ContextOptions | None = None,
+    profile: Profile | None = None,
+    microbatch: int = 1,
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
@@ -149,7 +162,8 @@ def rank(
     >>> [(s.strategy, s.fits) for s in ranked], skipped
     ([('zero3', True), ('osdp', True), ('dp', False), ('zero2', False), ('zero1', False), ('dp+fsdp', False)], [])
     """
-    ctx = Context(params, workload, hardware, optimizer, memory_per_device)
+    plain = Context(params, workload, hardware, optimizer, memory_per_device)
+    uneven = dataclasses.replace(plain, profile=profile, microbatch=microbatch)
     out, skipped = [], []
     for mesh, strategy in compositions(devices, max_tensor=max_tensor, contexts=contexts):
         shown = ",".join(f"{k}={v}" for k, v in mesh.items())
@@ -158,6 +172,8 @@ def rank(
             skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
             continue
         usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
+        # A profile gives the data-parallel ranks uneven shares; a plan without a data axis stays even.
+        ctx = uneven if profile is not None and mesh.get("data", 1) > 1 else plain
         for options, split_flags in _context_splits(strategy, context_options):
             try:
                 plan = from_names(strategy, mesh, context=ctx, context_options=options)
@@ -171,11 +187,17 @@ def rank(
                 break
             if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
                 continue  # osdp that shards nothing is the data-parallel plan again
-            for variant, flags in _variants(plan, remats, usable, precisions):
+            looped = usable if not isinstance(plan.execution, Shares) else [1]  # shares loop over microbatches
+            for variant, flags in _variants(plan, remats, looped, precisions):
                 est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
                 fits = est.memory_bytes <= memory_per_device
-                out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags))
-    out.sort(key=lambda s: (not s.fits, s.estimate.time.total_s, s.plan.accumulate, s.estimate.flops))
+                on = (
+                    None
+                    if profile is None
+                    else profiled_step_time(variant, mesh, profile, workload.batch, est.flops, est.time)
+                )
+                out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
+    out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
     return out, skipped
 
 
@@ -271,7 +293,8 @@ def pick(suggestions: list[Suggestion], memory_per_device: int) -> tuple[Suggest
         return None, f"no plan fits {budget} per device{need}"
     mesh = ",".join(f"{k}={v}" for k, v in best.mesh.items())
     t = best.estimate.time
-    why = f"{best.strategy} on {mesh}: the fastest modelled step ({t.total_s * 1e3:.3g} ms on {t.hardware})"
+    devices = t.hardware if best.profiled_s is None else f"the profile's devices, at {t.hardware} speed for the fastest"
+    why = f"{best.strategy} on {mesh}: the fastest modelled step ({best.step_s * 1e3:.3g} ms on {devices})"
     refuted = [s for s in suggestions if s.confirmed is False]
     if best.confirmed:
         why += f" whose compiled peak ({format_bytes(best.compiled_memory['peak_bytes'])}) fits {budget}"

@@ -211,3 +211,32 @@ def test_cli_profile_measures_devices(capsys, tmp_path):
 def test_cli_profile_mistakes(capsys, extra, message):
     code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", "data=8", "--batch-size", "40", *extra)
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_suggest_ranks_plans_by_their_step_on_the_profiles_devices(capsys):
+    """With a profile, every data-parallel composition takes shares by its ranks' speeds and is ranked by its
+    modelled step on those devices: the uneven split beats the even one, which the slowest device paces, and
+    the pick's run command names the devices it was priced on."""
+    from strategies import suggest
+
+    model = models.get("gpt-small", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    speeds = [3, 3, 1, 1, 1, 1, 2, 2]
+    options = {"devices": 8, "memory_per_device": 80 << 30, "optimizer": optax.adam(1e-3), "max_tensor": 2}
+    workload, h100 = costmodel.Workload(56, model.config.seq_len), costmodel.HARDWARE["h100"]
+    ranked, _ = suggest.rank(params, workload, h100, **options, profile=Profile.from_speeds(speeds))
+    even, _ = suggest.rank(params, workload, h100, **options)
+    best = ranked[0]
+    assert best.mesh == {"data": 8} and best.plan.execution.shares == (12, 12, 4, 4, 4, 4, 8, 8)
+    plain = next(s for s in even if s.mesh == {"data": 8} and s.strategy == "dp" and not s.flags)
+    t = plain.estimate.time  # modelled at the fastest device's speed
+    assert best.step_s < t.compute_s * 3 + t.comm_s  # even, every device waits for the slowest (1/3 as fast)
+    # Shares by speed: the compute of the whole batch at the devices' summed speed, Σs = 14 of the 8 · 3 fastest.
+    assert best.step_s == pytest.approx(t.compute_s * 8 * 3 / sum(speeds) + t.comm_s, rel=0.01)
+
+    code, out, err = run_cli(
+        capsys, "suggest", "--model", "gpt-tiny", "--layers", "1", "--device-speeds", ",".join(map(str, speeds)),
+        "--batch-size", "56", "--memory-per-device", "1GiB", "--confirm", "1", "--max-tensor", "1",
+        "--max-context", "1",
+    )  # fmt: skip
+    assert code == 0 and "--device-speeds 3,3,1,1,1,1,2,2" in out.replace("\n", " "), out + err

@@ -13,7 +13,7 @@ import spmd
 from spmd import costmodel, models
 from spmd.cli.common import console as make_console
 from spmd.cli.common import dumps
-from spmd.cli.setup import context_options, hardware_of, optimizer_of, size_overrides
+from spmd.cli.setup import context_options, hardware_of, optimizer_of, profile_of, size_overrides
 from strategies import suggest as search
 
 __all__ = ["command"]
@@ -46,6 +46,9 @@ def command(args: argparse.Namespace) -> int:
         remats=() if args.remat is not None else ("none", "full", "dots"),
         accumulations=(1, 2, 4, 8),
         precisions=_PRECISIONS[args.precision],
+        # On devices of different speeds the data-parallel ranks take shares by speed (--even: none).
+        profile=None if args.even else profile_of(args, devices),
+        microbatch=args.microbatch,
     )
     if not ranked:
         raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
@@ -118,6 +121,11 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
     if "cp" in best.strategy.split("+"):  # the context options the ranking priced
         parts += [f"--cp-method {args.cp_method}"] + (["--no-load-balance"] if args.no_load_balance else [])
         parts += ["--cp-shard-params"] if args.cp_shard_params else []
+    for flag in ("device_speeds", "device_memory", "device_profile"):  # the devices the ranking priced
+        if getattr(args, flag, None):
+            parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
+    parts += [f"--microbatch {args.microbatch}"] if args.microbatch != 1 else []
+    parts += ["--even"] if args.even else []
     if args.device_kind:  # the cost model's device, which chooses osdp's layout
         parts.append(f"--device-kind {args.device_kind}")
     parts.append(f"--batch-size {args.batch_size} --memory-per-device {args.memory_per_device}")
@@ -164,6 +172,6 @@ def _suggest_table(rows: list, model: str, devices: int, budget: int, hardware: 
             fits,
             peak,
             mb(e.comm_bytes),
-            f"{e.time.total_s * 1e3:.3g} ms",
+            f"{s.step_s * 1e3:.3g} ms",
         )
     return table
