@@ -319,24 +319,24 @@ def summary(
 
 
 def profiled_step_time(
-    plan: Plan,
-    mesh_axes: Mapping[str, int],
-    profile: Profile,
-    batch: int,
-    flops_per_device: float,
-    modelled: StepTime,
+    plan: Plan, mesh_axes: Mapping[str, int], profile: Profile, batch: int, estimate: costmodel.Estimate
 ) -> float:
-    """``plan``'s modelled step on the devices of ``profile``: the uneven split's (:func:`summary`) for a plan
-    with batch shares or a pipeline; otherwise every device does the same work, and the slowest paces the step.
+    """``plan``'s modelled step on the devices of ``profile``, from the cost model's ``estimate`` (priced at the
+    fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares or a pipeline;
+    otherwise every device does the same work, and the slowest paces the step.
 
-    >>> t = StepTime(compute_s=1.0, comm_s=0.5, hardware="cpu")
-    >>> profiled_step_time(Plan(), {"tensor": 2}, Profile.from_speeds([3, 1]), 8, 1e9, t)  # 3× the fast device's
-    3.5
+    >>> import jax, optax
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
+    >>> e = costmodel.estimate(Plan(), params, {"tensor": 2}, costmodel.Workload(8, 16), optimizer=optax.sgd(0.1),
+    ...                        hardware=costmodel.HARDWARE["h100"])
+    >>> t = profiled_step_time(Plan(), {"tensor": 2}, Profile.from_speeds([3, 1]), 8, e)
+    >>> t == 3 * e.time.compute_s + e.time.comm_s  # every device paced by the one a third as fast
+    True
     """
+    t = estimate.time
     if isinstance(plan.execution, Shares | PipelineSpec):
-        summed = summary(plan, mesh_axes, profile, batch, flops_per_device, modelled)
-        return summed["simulated_step_time"]["hetero"]
-    return modelled.compute_s * max(profile.speeds) / min(profile.speeds) + modelled.comm_s
+        return summary(plan, mesh_axes, profile, batch, estimate.flops, t)["simulated_step_time"]["hetero"]
+    return t.compute_s * max(profile.speeds) / min(profile.speeds) + t.comm_s
 
 
 def apply_profile(
