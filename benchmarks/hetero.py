@@ -3,15 +3,20 @@
     python benchmarks/hetero.py [--model gpt-small] [--batch-size 256] [--device-kind h100]
 
 For clusters of 8 devices — 4 fast + 4 slow at 2:1 and at 3:1, and three kinds at 4:2:1 — it plans data
-parallelism (data=8: batch shares) and a pipeline (stage=4 × data=2, 1F1B: layers per stage), and prints the
-modelled step time of the even plan and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s).
-Nothing is compiled: the plans are laid out on abstract parameters (8 emulated devices) and priced by the cost
-model, with the fastest kind as ``--device-kind``.
+parallelism (data=8: batch shares), FSDP (data=4 × fsdp=2: shares per data rank, each split over its fsdp pair)
+and a pipeline (stage=4 × data=2, 1F1B: layers per stage), and prints the modelled step time of the even plan
+and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s). Then the planner's pick
+(``strategies.suggest.rank`` with the profile, every composition of up to 2-way tensor parallelism) against the
+best even plan on the same devices, which the slowest device paces. Nothing is compiled: the plans are laid out
+on abstract parameters (8 emulated devices) and priced by the cost model, with the fastest kind as
+``--device-kind``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+from typing import Any
 
 CLUSTERS = {
     "4 fast + 4 slow, 2:1": [2, 2, 2, 2, 1, 1, 1, 1],
@@ -38,16 +43,17 @@ def main() -> None:
 
     import strategies
     from spmd import costmodel, models
-    from strategies import hetero
+    from strategies import hetero, suggest
 
     model = models.get(args.model)
+    optimizer = optax.adam(1e-3)
     hardware = costmodel.hardware(args.device_kind)
     workload = costmodel.Workload(args.batch_size, model.config.seq_len)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
 
     def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
         mesh = spmd.make_mesh(axes)
-        step = spmd.TrainStep(models.loss_fn(model), optax.adam(1e-3), plan, mesh, params=abstract, staged=model.staged)
+        step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, mesh, params=abstract, staged=model.staged)
         layout = step.layout
         flops = costmodel.flops_per_device(layout.params.leaves, plan, axes, workload)
         traffic = costmodel.traffic(layout, plan, axes, workload)
@@ -74,9 +80,12 @@ def main() -> None:
         pp = hetero.summary(
             pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.executor.engine.placement.counts
         )
+        picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile)
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
+            ("dp+fsdp, data=4 × fsdp=2", *picked(("dp+fsdp", {"data": 4, "fsdp": 2}))),
             ("pp+dp, stage=4 × data=2", pp, f"layers {pp['layers_per_stage']}"),
+            ("planner's pick", *picked()),
         ):
             t = info["simulated_step_time"]
             table.add_row(
@@ -90,6 +99,34 @@ def main() -> None:
                 f"{info['simulated_speedup'] / info['ideal_speedup']:.3f}",
             )
     Console().print(table)
+
+
+def _picked(
+    suggest: Any, params: Any, workload: Any, hardware: Any, optimizer: Any, profile: Any, only: Any = None
+) -> tuple[dict, str]:
+    """The planner's pick on the profile's devices (``only``: of that strategy on that mesh, its best microbatch
+    and policies) against the best even plan on them, which the slowest device paces: the figures as
+    ``hetero.summary`` gives them, and the pick's mesh, strategy, split and microbatch."""
+    options = {"devices": 8, "memory_per_device": 80 << 30, "optimizer": optimizer, "max_tensor": 2}
+    ranked, _ = suggest.rank(params, workload, hardware, **options, profile=profile)
+    even, _ = suggest.rank(params, workload, hardware, **options)
+    if only is not None:
+        ranked, even = ([s for s in r if (s.strategy, s.mesh) == only] for r in (ranked, even))
+    pace = max(profile.speeds) / min(profile.speeds)
+    slowest = min(s.estimate.time.compute_s * pace + s.estimate.time.comm_s for s in even if s.fits)
+    best = ranked[0]
+    speeds = profile.speeds
+    info = {
+        "simulated_step_time": {"even": slowest, "hetero": best.step_s},
+        "simulated_speedup": slowest / best.step_s,
+        "ideal_speedup": sum(speeds) / (len(speeds) * min(speeds)),
+    }
+    mesh = ",".join(f"{k}={v}" for k, v in best.mesh.items())
+    shares = getattr(best.plan.execution, "shares", None)
+    micro = f", microbatch {best.plan.execution.microbatch}" if shares else ""
+    return info, (f"{best.strategy} on {mesh}, " if only is None else "") + (
+        f"shares {list(shares)}{micro}" if shares else "even"
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ the data, not the devices.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from spmd._context import constrain
 from spmd._executor import Executor, Task
 from spmd._keys import StepKey, call_loss
-from spmd.costmodel import Contribution, data_parallel_traffic
+from spmd._rules import PlanError
+from spmd.axes import BATCH
 
 if TYPE_CHECKING:
     from spmd._specs import Shares
@@ -97,6 +98,8 @@ class UnevenData:
                 grads, loss, count = carry
                 start = i * spec.microbatch
                 micro = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, spec.microbatch), rows)
+                # The rank's devices along the other batch axes (FSDP's) split its microbatch between them.
+                micro = jax.tree.map(lambda x: constrain(x, (BATCH,) + (None,) * (x.ndim - 1)) if x.ndim else x, micro)
                 part = None if draw is None else draw.fold(first + i)
                 value, grad = jax.value_and_grad(lambda p: call_loss(self.loss_fn, p, micro, part))(params)
                 grads = jax.tree.map(lambda acc, g: acc + weight * g, grads, grad)
@@ -129,19 +132,15 @@ def uneven_executor(spec: Shares, task: Task) -> Executor:
     >>> uneven_executor(plan.execution, spmd.execution.Task(lambda p, b: 0.0, plan, mesh, {})).splits_batch
     False
     """
+    within = math.prod(task.mesh.shape[a] for a in task.plan.batch_axes if a != spec.axis)
+    if spec.microbatch % within:
+        raise PlanError(
+            f"uneven shares: a microbatch of {spec.microbatch} examples does not split over the other batch "
+            f"axes' {within} devices of each {spec.axis} rank; make the microbatch a multiple of {within} "
+            f"(--microbatch)"
+        )
     engine = UnevenData(task.loss, spec, task.mesh)
-    costs = functools.partial(_costs, spec, task.plan, task.mesh)
     # The compiled program's FLOPs and collectives are the busiest device's: its loop runs the most iterations.
-    busiest = {LOOP_SCOPE: (float(max(spec.loops)),)}
+    busiest = {LOOP_SCOPE: (float(spec.iterations),)}
     # Any batch size: the shares, not an even split, place its examples.
-    return Executor(
-        engine.value_and_grad, splits_batch=False, keyed=True, engine=engine, costs=costs, branch_weights=busiest
-    )
-
-
-def _costs(spec: Shares, plan: Any, mesh: Mesh, layout: Any, batch: Any, workload: Any) -> Contribution:
-    """Each loop iteration is a microbatch: parameters split over the batch axes inside a rank (FSDP's) are
-    gathered, and their gradients reduce-scattered, at every iteration of the busiest position; the gradients
-    are reduced over the axis once, after its loop (as accumulated microbatches are: ``plan.accumulate``)."""
-    looped = dataclasses.replace(plan, accumulate=max(spec.loops))
-    return Contribution(traffic=tuple(data_parallel_traffic(layout, looped, mesh.shape)))
+    return Executor(engine.value_and_grad, splits_batch=False, keyed=True, engine=engine, branch_weights=busiest)

@@ -55,6 +55,12 @@ class ExecutionSpec:
         """The mesh axes the mode uses (checked against the mesh)."""
         return frozenset()
 
+    @property
+    def iterations(self) -> int:
+        """How many microbatches the busiest device runs the model on per step, each gathering the parameters
+        split over the batch axes anew (the cost model counts FSDP's traffic so): 1 unless the mode loops."""
+        return 1
+
     def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """``(logical name, mesh axes)`` rules for the dimensions the mode adds to the arrays it stores."""
         return ()
@@ -124,6 +130,10 @@ class Shares(ExecutionSpec):
     @property
     def loops(self) -> tuple[int, ...]:
         return tuple(s // self.microbatch for s in self.shares)
+
+    @property
+    def iterations(self) -> int:
+        return max(self.loops)
 
     @property
     def batch(self) -> int:

@@ -320,7 +320,8 @@ def data_parallel_traffic(
     - remaining batch axes (set R): all-reduce the gradient, 2(nR−1)/nR of its buffer (see :func:`_reduce_rest`).
 
     With ``plan.accumulate`` = K, the FSDP gathers and reduce-scatters run once per microbatch (K times, each of
-    the whole buffer), the other reductions once per step (:mod:`spmd._accumulate`).
+    the whole buffer), the other reductions once per step (:mod:`spmd._accumulate`); so too for an execution
+    mode whose devices loop over their own microbatches (its ``iterations``: the busiest device's count).
 
     ``stage_uses``: in a pipeline, how many times per step a device gathers its stages' FSDP-split layers and
     reduces their gradients, in whole stacks (see ``spmd.pipeline.Pipeline.weight_uses``): every schedule action uses
@@ -337,6 +338,7 @@ def data_parallel_traffic(
     batch = set(plan.data_axes)
     totals = _Totals(sizes)
     table, _ = token_lookup(layout.params.leaves, batch)
+    repeats = plan.accumulate * getattr(plan.execution, "iterations", 1)  # microbatches the busiest device runs
 
     # A precision policy gathers its cast copies; the gradients are reduced as the backward pass makes them, in
     # the compute dtype, except for the once-per-step reduction of accumulated gradients, which runs in the
@@ -360,7 +362,7 @@ def data_parallel_traffic(
             # FSDP gathers them twice; an embedding table is gathered once, since the gradient of a lookup does
             # not need the table.
             times = 2 if (plan.remat or layers > 1) and not p.path.endswith("embedding") else 1
-            times = (stage_uses[0] if staged else times) * plan.accumulate  # every accumulated microbatch gathers
+            times = (stage_uses[0] if staged else times) * repeats  # every microbatch gathers
             totals.add("all-gather", fsdp, times * local * n_fsdp, times * layers, combined=True)
         # The gradient arrives in the gathered (full-over-F) shape and is reduce-scattered over F and E together.
         grad_buffer = (reduced if fsdp else once) * n_fsdp
@@ -368,11 +370,12 @@ def data_parallel_traffic(
             reductions = stage_uses[1] if staged and fsdp else 1
             # Accumulation keeps the gradient in the parameters' FSDP layout: each microbatch reduce-scatters
             # into it; the other batch axes reduce once per step.
-            reductions *= plan.accumulate if fsdp else 1
+            reductions *= repeats if fsdp else 1
             count = (layers if fsdp else 1) * reductions
             totals.add("reduce-scatter", fsdp | zero2, reductions * grad_buffer, count, combined=True)
         n_zero2 = math.prod(sizes[a] for a in zero2)
-        uses = stage_uses[1] * plan.accumulate if staged else 1
+        # Automatic over the context axis, a pipeline's actions and accumulated microbatches each reduce there.
+        uses = stage_uses[1] * repeats if staged else plan.accumulate
         _reduce_rest(totals, rest, _context_axes(plan), (once / n_zero2, reduced / n_zero2), uses, layers)
         if zero2:
             totals.add("all-gather", zero2, stored, combined=True)

@@ -37,7 +37,7 @@ from spmd.costmodel import StepTime
 from spmd.devices import Profile
 from spmd.execution import PipelineSpec, Shares
 from spmd.pipeline import Schedule, simulate
-from spmd.rules import leaves_with_paths
+from spmd.rules import ShardLargest, leaves_with_paths
 
 __all__ = [
     "apply_profile",
@@ -164,12 +164,17 @@ def batch_shares(
     if 0 in split:
         # A position with no microbatch idles through every step: the batch is too small for these speeds.
         i = split.index(0)
-        why = "its memory holds none" if units[i] == 0 else f"its speed is {speeds[i]:g} of {sum(speeds):g} in all"
         least = granularity * math.ceil(sum(speeds) / min(speeds))
+        fix = (
+            f"its memory holds no microbatch of {granularity} beside the model state; give it more memory, shard "
+            f"the parameters, or leave the device out of the mesh"
+            if units[i] == 0
+            else f"its speed is {speeds[i]:g} of {sum(speeds):g} in all; give a --batch-size of at least {least}, "
+            f"so every position has a microbatch of {granularity}, or leave the device out of the mesh"
+        )
         raise ValueError(
             f"{_named(mesh_axes, axis, i)} gets none of the batch of {batch} (shares "
-            f"{[granularity * s for s in split]}: {why}); give a --batch-size of at least {least}, so every "
-            f"position has a microbatch of {granularity}, or leave the device out of the mesh"
+            f"{[granularity * s for s in split]}): {fix}"
         )
     return tuple(granularity * s for s in split)
 
@@ -322,8 +327,8 @@ def profiled_step_time(
     plan: Plan, mesh_axes: Mapping[str, int], profile: Profile, batch: int, estimate: costmodel.Estimate
 ) -> float:
     """``plan``'s modelled step on the devices of ``profile``, from the cost model's ``estimate`` (priced at the
-    fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares or a pipeline;
-    otherwise every device does the same work, and the slowest paces the step.
+    fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares or a pipeline
+    with layers per stage; otherwise every device does the same work, and the slowest paces the step.
 
     >>> import jax, optax
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
@@ -334,7 +339,8 @@ def profiled_step_time(
     True
     """
     t = estimate.time
-    if isinstance(plan.execution, Shares | PipelineSpec):
+    spec = plan.execution
+    if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and spec.layers_per_stage):
         return summary(plan, mesh_axes, profile, batch, estimate.flops, t)["simulated_step_time"]["hetero"]
     return t.compute_s * max(profile.speeds) / min(profile.speeds) + t.comm_s
 
@@ -373,6 +379,15 @@ def apply_profile(
         raise ValueError(
             "a device profile gives data-parallel ranks uneven batch shares, or pipeline stages uneven layers: "
             "the plan needs a data axis (dp) or a pipeline (pp); or pass --even"
+        )
+    split = [p for p in plan.parts if isinstance(p, ShardLargest) and "params" in p.roles and p.axis == "data"]
+    if split:
+        # Each rank loops over its own microbatches with the parameters whole: split over the data axis itself
+        # they would be gathered once on entry and their gradients all-reduced, which FSDP is not.
+        raise ValueError(
+            f"uneven batch shares run each data rank's own loop with the parameters whole on the rank, and "
+            f"{split[0].describe()} splits them over the data axis itself; use dp, zero1 or zero2 over data, or "
+            f"FSDP over an axis of its own (dp+fsdp on --mesh data=4,fsdp=2), or pass --even"
         )
     # A rank's devices along the other batch axes (FSDP's) split each of its microbatches evenly between them.
     within = math.prod(mesh_axes.get(a, 1) for a in plan.batch_axes if a != "data")

@@ -173,8 +173,8 @@ def rank(
             continue
         usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
         # A profile gives the data-parallel ranks uneven shares; a plan without a data axis stays even.
-        ctx = uneven if profile is not None and mesh.get("data", 1) > 1 else plain
-        for options, split_flags in _context_splits(strategy, context_options):
+        base = uneven if profile is not None and mesh.get("data", 1) > 1 else plain
+        for ctx, options, split_flags in _tried(strategy, context_options, base, workload.batch, ways, profile):
             try:
                 plan = from_names(strategy, mesh, context=ctx, context_options=options)
                 plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
@@ -184,8 +184,9 @@ def rank(
                 layout = resolve_state(plan, params, optimizer, mesh)
             except (PlanError, ValueError) as e:
                 skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
-                break
-            if any(s.mesh == mesh and s.plan.parts == plan.parts and s.plan.remat == plan.remat for s in out):
+                continue
+            key = (mesh, plan.parts, plan.remat, plan.execution)
+            if any((s.mesh, s.plan.parts, s.plan.remat, s.plan.execution) == key for s in out):
                 continue  # osdp that shards nothing is the data-parallel plan again
             looped = usable if not isinstance(plan.execution, Shares) else [1]  # shares loop over microbatches
             for variant, flags in _variants(plan, remats, looped, precisions):
@@ -194,7 +195,27 @@ def rank(
                 on = None if profile is None else profiled_step_time(variant, mesh, profile, workload.batch, est)
                 out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
     out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
-    return out, skipped
+    return out, list(dict.fromkeys(skipped))
+
+
+def _tried(
+    strategy: str, options: ContextOptions | None, ctx: Context, batch: int, ways: int, profile: Profile | None
+) -> Iterator[tuple[Context, ContextOptions | None, tuple[str, ...]]]:
+    """The (context, cp options, run flags) a composition is tried with: the cp options of
+    :func:`_context_splits`; under a profile, each microbatch size the uneven shares can loop over (doubling
+    while the batch holds one per data-parallel device: fewer, larger microbatches gather FSDP's parameters less
+    often, smaller ones follow the speeds closer), and the even split (``--even``), which a plan without a data
+    axis keeps."""
+    contexts = [(ctx, ())] if profile is None else [(dataclasses.replace(ctx, profile=None), ("--even",))]
+    if ctx.profile is not None:
+        sizes = [ctx.microbatch]
+        while batch % (2 * sizes[-1] * ways) == 0:
+            sizes.append(2 * sizes[-1])
+        chosen = lambda size: ("--microbatch", str(size)) if size != ctx.microbatch else ()  # noqa: E731
+        contexts += [(dataclasses.replace(ctx, microbatch=size), chosen(size)) for size in sizes]
+    for cp, flags in _context_splits(strategy, options):
+        for context, extra in contexts:
+            yield context, cp, flags + extra
 
 
 def _context_splits(

@@ -85,10 +85,12 @@ def test_pipeline_script():
 def test_hetero_script():
     out = run_script("hetero.py", "--model", "gpt-tiny", "--batch-size", "64", "--microbatches", "8")
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
-    assert len(rows) == 6, out  # three clusters, data parallel and pipelined
+    assert len(rows) == 12, out  # three clusters: data parallel, FSDP, pipelined, and the planner's pick
     for cells in rows:
         speedup, ideal, ratio = (float(c) for c in cells[-3:])
-        assert 1.0 < speedup <= ideal + 1e-9 and ratio == pytest.approx(speedup / ideal, abs=1e-3), cells
+        # The planner's picks may keep shares even where FSDP's per-iteration gathers cost more than they save.
+        floor = 1.0 if "fsdp" in cells[1] or "pick" in cells[1] else 1.0 + 1e-9
+        assert floor <= speedup <= ideal + 1e-9 and ratio == pytest.approx(speedup / ideal, abs=1e-3), cells
 
 
 @pytest.mark.slow

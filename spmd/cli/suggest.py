@@ -124,8 +124,8 @@ def _run_command(args: argparse.Namespace, best: Any) -> str:
     for flag in ("device_speeds", "device_memory", "device_profile"):  # the devices the ranking priced
         if getattr(args, flag, None):
             parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
-    parts += [f"--microbatch {args.microbatch}"] if args.microbatch != 1 else []
-    parts += ["--even"] if args.even else []
+    parts += [f"--microbatch {args.microbatch}"] if args.microbatch != 1 and "--microbatch" not in best.flags else []
+    parts += ["--even"] if args.even and "--even" not in best.flags else []
     if args.device_kind:  # the cost model's device, which chooses osdp's layout
         parts.append(f"--device-kind {args.device_kind}")
     parts.append(f"--batch-size {args.batch_size} --memory-per-device {args.memory_per_device}")
