@@ -374,8 +374,7 @@ def data_parallel_traffic(
             count = (layers if fsdp else 1) * reductions
             totals.add("reduce-scatter", fsdp | zero2, reductions * grad_buffer, count, combined=True)
         n_zero2 = math.prod(sizes[a] for a in zero2)
-        # Automatic over the context axis, a pipeline's actions and accumulated microbatches each reduce there.
-        uses = stage_uses[1] * repeats if staged else plan.accumulate
+        uses = stage_uses[1] * repeats if staged else plan.accumulate  # each reduces over context (automatic)
         _reduce_rest(totals, rest, _context_axes(plan), (once / n_zero2, reduced / n_zero2), uses, layers)
         if zero2:
             totals.add("all-gather", zero2, stored, combined=True)

@@ -174,6 +174,7 @@ def test_offloaded_residuals_wait_in_host_slots_and_train_like_one_device(refere
     assert memory["host_transfer_bytes"] == 2 * 8 * parts["offloaded"]  # 8 microbatches out and back
 
 
+@pytest.mark.slow  # the nnx GPT; the default tier pipelines the linen one
 def test_an_nnx_model_pipelines_like_its_unpipelined_self():
     assert models.get("gpt-tiny-nnx").kind == "nnx"  # its staged form runs its own nnx modules
     one_device = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])

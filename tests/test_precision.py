@@ -163,6 +163,7 @@ def test_cli_run_bf16_check_passes_and_the_loss_falls_as_in_fp32(capsys):
     assert "bf16_check" not in fp32 and fp32["max_abs_diff"] <= 1e-4
 
 
+@pytest.mark.slow  # bf16 under accumulation; the default tier checks bf16 and accumulation each
 def test_accumulated_bf16_gradients_are_reduced_once_in_float32_and_reach_the_master_unrounded():
     # bf16 microbatches, a float32 accumulator, its one reduction in the policy's reduce dtype: the sharded step
     # equals one device under the same plan, and the cost model prices the reduction the step runs.

@@ -53,6 +53,7 @@ def steps_in(directory):
 
 
 # -- checkpoint directories --------------------------------------------------------------------------------
+@pytest.mark.slow  # more checkpoint-directory cases; the default tier keeps the resume mistakes
 def test_another_runs_directory_is_refused_and_its_run_still_resumes(capsys, tmp_path):
     ck = str(tmp_path / "ck")
     straight = strict_json(run_cli(capsys, "run", *TINY, "--steps", "3", "--json")[1])["losses"]
