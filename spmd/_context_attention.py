@@ -217,8 +217,10 @@ def _block(state: tuple, q: jax.Array, k: jax.Array, v: jax.Array, kind: jax.Arr
         return jax.lax.switch(kind, [lambda: state, lambda: fold(True), lambda: fold(False)])
 
 
-def _blocks(q: jax.Array, kv_steps: Any, kinds: jax.Array, *, ring: bool, axis: str) -> jax.Array:
-    """Attention of the local query halves over the key/value blocks of every step (see :func:`block_kinds`)."""
+def _blocks(q: jax.Array, kv_steps: Any, kinds: jax.Array, *, ring: bool | str, axis: str) -> jax.Array:
+    """Attention of the local query halves over the key/value blocks of every step (see :func:`block_kinds`):
+    gathered (``kv_steps`` the blocks of every step), by the ring (``ring``, ``kv_steps`` this device's block), or
+    by the ring between neighbour pairs (``ring="paired"``)."""
     b, s, h, d = q.shape
     qs = jnp.split(q, 2, axis=1)
     start = (jnp.full((b, h, s // 2), jnp.finfo(jnp.float32).min), jnp.zeros((b, h, s // 2)))
@@ -231,7 +233,9 @@ def _blocks(q: jax.Array, kv_steps: Any, kinds: jax.Array, *, ring: bool, axis: 
             for i in (0, 1)
         )
 
-    if ring:
+    if ring == "paired":
+        states = _paired_ring(step, states, kv_steps, kinds, axis)
+    elif ring:
         ways = kinds.shape[0]
         k, v = kv_steps
         perm = [(i, (i + 1) % ways) for i in range(ways)]
@@ -250,6 +254,54 @@ def _blocks(q: jax.Array, kv_steps: Any, kinds: jax.Array, *, ring: bool, axis: 
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
+def _pass_on(left: tuple, right: tuple, axis: str, ways: int, *, last: bool = False) -> tuple:
+    """One step of the ring between neighbour pairs: every device's leftward blocks (``left``, the keys and
+    values of device + t) go to its left neighbour and its rightward ones (``right``, of device − t) to its right,
+    by two all-gathers over pairs, (0 1)(2 3)... then (1 2)(3 4)...(c−1 0): in each a device offers its partner
+    the stream travelling the partner's way. ``last``: the first round only, which hands every device the
+    opposite device's blocks (an even axis's last step). Returns the new ``(left, right)``, or the last blocks."""
+    me = jax.lax.axis_index(axis)
+    even = me % 2 == 0
+
+    def trade(offers_right: jax.Array, groups: list[list[int]]) -> tuple:
+        slot = np.zeros(ways, np.int32)  # where the partner's offer lands in the pair's gather
+        for a, b in groups:
+            slot[a], slot[b] = 1, 0
+        offer = jax.tree.map(lambda a, b: jnp.where(offers_right, a, b), right, left)
+        partner = jnp.asarray(slot)[me]
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, axis, axis_index_groups=groups)[partner], offer)
+
+    first = trade(even, [[i, i + 1] for i in range(0, ways, 2)])
+    if last:
+        return first
+    second = trade(~even, [[i, (i + 1) % ways] for i in range(1, ways, 2)])
+    pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(even, x, y), a, b)  # noqa: E731
+    return pick(first, second), pick(second, first)
+
+
+def _paired_ring(step: Any, states: tuple, kv: tuple, kinds: jax.Array, axis: str) -> tuple:
+    """``states`` with every step's blocks folded in, in the order of ``sources(paired=True)``: each exchange is
+    issued before the blocks already held are computed, so it can overlap them."""
+    ways = kinds.shape[0]
+    both, opposite = (ways - 1) // 2, ways % 2 == 0  # steps that receive from both sides; an even axis's last
+    if both == 0:  # two devices: the other's blocks only
+        other = _pass_on(kv, kv, axis, ways, last=True)
+        return step(step(states, *kv, kinds[0]), *other, kinds[1])
+    pairs = kinds[1 : 1 + 2 * both].reshape(both, 2, *kinds.shape[1:])
+    held = _pass_on(kv, kv, axis, ways)
+    states = step(states, *kv, kinds[0])
+
+    def turn(carry: tuple, pair: jax.Array) -> tuple:
+        states, (left, right) = carry
+        passed = _pass_on(left, right, axis, ways)
+        return (step(step(states, *left, pair[0]), *right, pair[1]), passed), None
+
+    (states, (left, right)), _ = jax.lax.scan(turn, (states, held), pairs[:-1])
+    last = _pass_on(left, right, axis, ways, last=True) if opposite else None
+    states = step(step(states, *left, pairs[-1][0]), *right, pairs[-1][1])
+    return step(states, *last, kinds[-1]) if opposite else states
+
+
 def _sharded(part: ContextParallel, ways: int, length: int) -> Any:
     """The per-device body of :func:`attention` for ``part``'s method."""
     axis = part.axis
@@ -262,12 +314,15 @@ def _sharded(part: ContextParallel, ways: int, length: int) -> Any:
             return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
         return ulysses
-    table = block_kinds(ways, part.load_balance, ring=part.method == "ring")
+    ring = part.method == "ring"
+    # Inside a pipeline's branches a collective-permute would wait for the other stages (see context_part).
+    paired = ring and _in_branches()
+    table = block_kinds(ways, part.load_balance, ring=ring, paired=paired)
 
     def blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         kinds = jnp.asarray(table)[jax.lax.axis_index(axis)]
-        if part.method == "ring":
-            return _blocks(q, (k, v), kinds, ring=True, axis=axis)
+        if ring:
+            return _blocks(q, (k, v), kinds, ring="paired" if paired else True, axis=axis)
         gathered = jax.lax.all_gather(k, axis), jax.lax.all_gather(v, axis)
         return _blocks(q, gathered, kinds, ring=False, axis=axis)
 
@@ -302,6 +357,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             )
     mesh, spec = _manual((A.BATCH, A.SEQ, A.HEADS, A.HEAD_DIM), q.shape)
     heads = q.shape[2] // math.prod(mesh.shape[a] for a in _axes_of(P(spec[2])))
+    if part.method == "ring" and ways % 2 and _in_branches():
+        raise PlanError(
+            f"spmd.attention: method ring inside a pipeline passes blocks between pairs of neighbours on "
+            f"{part.axis}, which needs an even number of devices there ({ways}); use an even context axis, or "
+            f"method allgather or alltoall"
+        )
     if part.method == "alltoall" and heads % ways:
         raise PlanError(
             f"spmd.attention: method alltoall splits the heads over {part.axis} ({ways} ways), but a device holds "

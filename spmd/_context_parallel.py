@@ -159,10 +159,29 @@ def halves(device: int, ways: int, balanced: bool) -> tuple[int, int]:
     return (device, 2 * ways - 1 - device) if balanced else (2 * device, 2 * device + 1)
 
 
-def block_kinds(ways: int, balanced: bool, *, ring: bool) -> np.ndarray:
+def sources(ways: int, *, ring: bool, paired: bool = False) -> np.ndarray:
+    """``sources[device, step]``: whose keys and values a device holds at each step of the blockwise attention:
+    device ``step`` (all-gather), ``device − step`` (the ring), or, on the ring between neighbour pairs that runs
+    inside a pipeline's branches (``paired``, see :func:`context_part`), itself, then ``device + t`` and
+    ``device − t`` for t = 1, 2, ... (the blocks passed on from the right and from the left), and on an even axis
+    the opposite device ``device + c/2`` last.
+
+    >>> sources(4, ring=True).tolist()[1], sources(4, ring=True, paired=True).tolist()[1]
+    ([1, 0, 3, 2], [1, 2, 0, 3])
+    """
+    if not ring:
+        return np.tile(np.arange(ways), (ways, 1))
+    if not paired:
+        return np.array([[(d - t) % ways for t in range(ways)] for d in range(ways)])
+    offsets = [0, *(o for t in range(1, (ways + 1) // 2) for o in (t, -t)), *([ways // 2] if ways % 2 == 0 else [])]
+    return np.array([[(d + o) % ways for o in offsets[:ways]] for d in range(ways)])
+
+
+def block_kinds(ways: int, balanced: bool, *, ring: bool, paired: bool = False) -> np.ndarray:
     """``kinds[device, step, query half, key half]``: what a device computes at each step, where at step ``t`` it
-    holds the keys of device ``t`` (all-gather) or ``device − t`` (the ring): :data:`FULL` where the key half
-    precedes the query half, :data:`MASKED` on the same half, :data:`SKIP` after it.
+    holds the keys of :func:`sources` ``[device, t]``: :data:`FULL` where the key half precedes the query half,
+    :data:`MASKED` on the same half, :data:`SKIP` after it. Every order visits every device once, so a device's
+    work is the same in each; only the steps' order differs.
 
     >>> k = block_kinds(2, True, ring=False)
     >>> (k > 0).sum(axis=(1, 2, 3)).tolist()  # blocks computed per device: balanced
@@ -170,12 +189,12 @@ def block_kinds(ways: int, balanced: bool, *, ring: bool) -> np.ndarray:
     >>> (block_kinds(2, False, ring=False) > 0).sum(axis=(1, 2, 3)).tolist()
     [3, 7]
     """
+    table = sources(ways, ring=ring, paired=paired)
     kinds = np.zeros((ways, ways, 2, 2), np.int32)
     for device in range(ways):
         for step in range(ways):
-            source = (device - step) % ways if ring else step
             for a, qh in enumerate(halves(device, ways, balanced)):
-                for b, kh in enumerate(halves(source, ways, balanced)):
+                for b, kh in enumerate(halves(int(table[device, step]), ways, balanced)):
                     kinds[device, step, a, b] = FULL if kh < qh else MASKED if kh == qh else SKIP
     return kinds
 
@@ -224,11 +243,13 @@ def context_part(parts: tuple[Any, ...], execution: Any, batch_axes: tuple[str, 
     """A plan's context-parallel part, or None; a plan has one at most, no other part splitting the sequence,
     and its axis does not split the batch.
 
-    Of the execution modes only a pipeline takes it, and not by ring: each device runs its own action of a tick
-    in a per-device branch (a pipeline's F, B, W; an uneven share's or a subnetwork's part), where a collective
-    completes only if every device it names reaches it. All-gathers, all-to-alls and reductions name the
-    context axis's devices of one stage, which run the same action together; a collective-permute names every
-    stage's pairs in one instruction, so the ring's would wait for stages running another action.
+    Of the execution modes only a pipeline takes it: each device runs its own action of a tick in a per-device
+    branch (a pipeline's F, B, W; an uneven share's or a subnetwork's part), where a collective completes only
+    if every device it names reaches it. All-gathers, all-to-alls and reductions name the context axis's devices
+    of one stage, which run the same action together; a collective-permute names every stage's pairs in one
+    instruction, and would wait for stages running another action. So inside a pipeline the ring passes its
+    blocks between neighbours by all-gathers over pairs of devices (``sources(paired=True)``), which move as
+    many bytes as its permutes.
 
     >>> context_part((ContextParallel(),), None).describe()
     'context parallel over context (allgather, load-balanced)'
@@ -255,12 +276,6 @@ def context_part(parts: tuple[Any, ...], execution: Any, batch_axes: tuple[str, 
         raise PlanError(
             f"{found[0].describe()} does not compose with {execution.describe()}: its exchanges would run inside "
             f"per-device branches; split the sequence without the execution mode, or remove cp"
-        )
-    if found and execution is not None and found[0].method == "ring":
-        raise PlanError(
-            f"{found[0].describe()} does not compose with {execution.describe()}: the ring's collective-permutes "
-            f"would run inside the stages' per-device branches, each waiting for stages that run another action; "
-            f"use --cp-method allgather or alltoall with a pipeline"
         )
     return found[0] if found else None
 

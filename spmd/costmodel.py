@@ -187,11 +187,16 @@ class _Totals:
         self.sizes = dict(sizes)
         self.acc: dict[tuple[str, tuple[str, ...]], list[float]] = {}
 
-    def add(self, kind: str, axes: Iterable[str], buffer: float, count: int = 1, *, combined: bool = False) -> None:
+    def add(
+        self, kind: str, axes: Iterable[str], buffer: float, count: int = 1, *, combined: bool = False,
+        group: int | None = None,
+    ) -> None:  # fmt: skip
+        """``group``: the devices of each collective, where they are fewer than the axes' (pairs of neighbours)."""
         axes = set(axes)
         n = math.prod(self.sizes[a] for a in axes)
         if n <= 1 or buffer <= 0:
             return
+        n = group or n
         factor = 2 * (n - 1) / n if kind == "all-reduce" else 1.0 if kind == "collective-permute" else (n - 1) / n
         key = (kind, tuple(a for a in self.sizes if a in axes))
         acc = self.acc.setdefault(key, [0.0, 0.0, 0])
@@ -571,16 +576,21 @@ def context_traffic(layout: Any, plan: Plan, mesh_shape: Mapping[str, int], work
     # An execution mode that takes cp (a pipeline) runs the layers split over its axes, and moves the
     # sequence inside its branches by all-gathers.
     in_branches = plan.execution is not None
-    stages = math.prod(sizes.get(a, 1) for a in plan.execution.axes()) if in_branches else 1
     if "key_proj" in found and "value_proj" in found:
         k, v, q = found["key_proj"], found["value_proj"], found.get("query_proj", found["key_proj"])
-        layers = k.layers / stages  # a pipeline's device runs its stage's layers
+        layers = k.layers  # the layers one device runs (a pipeline's: its stage's)
         width = lambda m: m.local(m.out_dims, model_axes, sizes)  # noqa: E731
         kv = tokens * (width(k) + width(v)) * workload.act_bytes
         forwards = 2 if plan.remat else 1
         if cp.method == "allgather":
             totals.add("all-gather", axis, forwards * layers * c * kv, forwards * layers * 2)
             totals.add("reduce-scatter", axis, layers * c * kv, layers * 2)
+        elif cp.method == "ring" and in_branches:
+            # Between neighbour pairs (see _pass_on): each of the c − 1 blocks of K and of V arrives in an
+            # all-gather over two devices (two blocks out, one received), its gradient in a reduce-scatter.
+            rounds = 2 * layers * (c - 1)
+            totals.add("all-gather", axis, forwards * rounds * kv, forwards * rounds, group=2)
+            totals.add("reduce-scatter", axis, rounds * kv, rounds, group=2)
         elif cp.method == "ring":
             permutes = (forwards + 1) * layers * (c - 1)
             totals.add("collective-permute", axis, permutes * kv, 2 * permutes)

@@ -15,7 +15,7 @@ import spmd
 import strategies
 from spmd import costmodel, data, models
 from spmd._context_attention import causal_attention
-from spmd._context_parallel import MASKED, SKIP, attention_share, block_kinds, halves
+from spmd._context_parallel import MASKED, SKIP, attention_share, block_kinds, halves, sources
 from tests.conftest import assert_trees_close, run_cli, train_steps
 
 METHODS = ("allgather", "ring", "alltoall")
@@ -43,6 +43,29 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize(("method", "balanced", "shape"), ATTENTION_CASES)
 def test_attention_and_its_gradients_equal_one_device(method, balanced, shape):
+    _check_attention(method, balanced, shape)
+
+
+@pytest.mark.parametrize(
+    "shape", [{"data": 1, "context": 8}, {"data": 2, "context": 4}, {"data": 2, "context": 2, "tensor": 2}]
+)
+def test_the_ring_between_neighbour_pairs_equals_one_device(monkeypatch, shape):
+    """Inside a pipeline's branches the ring passes its blocks by all-gathers over pairs of neighbours (a
+    collective-permute would wait for the other stages); here it runs outside one, forced as a pipeline would."""
+    monkeypatch.setattr(spmd._context_attention, "_in_branches", lambda: True)
+    _check_attention("ring", True, shape)
+
+
+def test_the_ring_between_neighbour_pairs_needs_an_even_context_axis(monkeypatch):
+    monkeypatch.setattr(spmd._context_attention, "_in_branches", lambda: True)
+    mesh = spmd.make_mesh({"context": 3}, devices=jax.devices()[:3])
+    x = jnp.zeros((1, 12, 2, 4))
+    with pytest.raises(spmd.PlanError, match=r"needs an even number of devices there \(3\)"):
+        with spmd.activate(strategies.context_parallel(method="ring", load_balance=False), mesh):
+            jax.eval_shape(spmd.attention, x, x, x)
+
+
+def _check_attention(method, balanced, shape):
     mesh = spmd.make_mesh(shape)
     plan = strategies.context_parallel(method=method, load_balance=balanced)
     plan = plan + strategies.data_parallel() + (strategies.tensor_parallel() if "tensor" in shape else spmd.Plan())
@@ -77,6 +100,10 @@ def test_the_block_table_is_the_causal_mask_and_balances_it(ways):
                             block = mask[qh * h : (qh + 1) * h, kh * h : (kh + 1) * h]
                             expected = SKIP if not block.any() else MASKED if not block.all() else 2
                             assert kinds[d, t, a, b] == expected
+            for paired in (True, False) if ring else ():
+                order = sources(ways, ring=True, paired=paired)
+                assert all(sorted(row) == list(range(ways)) for row in order.tolist())
+                assert (block_kinds(ways, balanced, ring=True, paired=paired) != SKIP).sum() == (kinds != SKIP).sum()
             work = (kinds != SKIP).sum(axis=(1, 2, 3))
             if balanced:
                 assert set(work.tolist()) == {2 * ways + 1}
@@ -215,12 +242,20 @@ def test_compiled_traffic_and_flops_over_context_are_the_cost_models(capsys, met
 
 
 @pytest.mark.slow
-def test_a_pipelines_traffic_over_context_is_the_cost_models(capsys):
+@pytest.mark.parametrize("method", METHODS)
+def test_a_pipelines_traffic_over_context_is_the_cost_models(capsys, method):
     """Inside a pipeline the program is automatic over the context axis: the layers' gradients are reduced
-    there at every backward action, as the cost model counts; the stage messages are split over it."""
-    report = _plan_json(capsys, "allgather", "stage=2,context=4", "pp+cp", "--batch-size", "4", "--microbatches", "4")
+    there at every backward action, as the cost model counts; the attention's exchanges (the ring's between
+    neighbour pairs) are the cost model's too, and the stage messages are split over context."""
+    report = _plan_json(capsys, method, "stage=2,context=4", "pp+cp", "--batch-size", "4", "--microbatches", "4")
     ratio = _over_context(report["collectives"]) / _over_context(report["analytic_collectives"])
     assert 0.9 <= ratio <= 1.1, ratio
+    exchanges = lambda rows: _over_context([c for c in rows if c["kind"] != "all-reduce"])  # noqa: E731
+    ratio = exchanges(report["collectives"]) / exchanges(report["analytic_collectives"])
+    assert 0.95 <= ratio <= 1.05, ratio
+    if method == "ring":
+        pairs = [c for c in report["collectives"] if c["axes"] == ["context"] and c.get("group_size") == 2]
+        assert {c["kind"] for c in pairs} == {"all-gather", "reduce-scatter"}
     stage = lambda rows: sum(c["traffic_bytes"] for c in rows if c["axes"] == ["stage"])  # noqa: E731
     assert stage(report["collectives"]) == pytest.approx(stage(report["analytic_collectives"]), rel=0.01)
 
@@ -259,18 +294,21 @@ def test_bad_context_parallel_input_exits_2_with_one_line(capsys, args, message)
 @pytest.mark.parametrize(
     ("mesh", "strategy", "message"),
     [
-        ("stage=2,context=4", "pp+cp --cp-method ring", "the ring's collective-permutes would run inside"),
         ("data=2,context=4", "sdp+cp", "does not compose with subnetwork"),
+        ("data=2,context=4", "dp+cp --device-speeds 2,2,1,1,1,1,1,1", "does not compose with uneven shares"),
     ],
 )
-def test_ring_attention_in_a_pipeline_and_other_execution_modes_are_refused(capsys, mesh, strategy, message):
+def test_execution_modes_that_cannot_take_the_exchanges_are_refused(capsys, mesh, strategy, message):
     strategy, *flags = strategy.split()
     code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, *flags)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "shard"), [("allgather", False), ("alltoall", False), ("alltoall", True)])
+@pytest.mark.parametrize(
+    ("method", "shard"),
+    [("allgather", False), ("ring", False), ("ring", True), ("alltoall", False), ("alltoall", True)],
+)
 def test_a_pipeline_over_stages_splits_each_stages_sequence_like_one_device(method, shard):
     """stage=2,context=4: each stage's four devices split the sequence (head-tail, moved by all-gathers inside
     the stages' branches), and with ``shard_params`` their stage's parameters; two 1F1B steps equal one

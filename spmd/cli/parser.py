@@ -126,7 +126,7 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size (sequences)")
-    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (eps 1e-6)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (eps 1e-5)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
