@@ -4,7 +4,8 @@
 
 For clusters of 8 devices — 4 fast + 4 slow at 2:1 and at 3:1, and three kinds at 4:2:1 — it plans data
 parallelism (data=8: batch shares), FSDP (data=4 × fsdp=2: shares per data rank, each split over its fsdp pair)
-and a pipeline (stage=4 × data=2, 1F1B: layers per stage), and prints the modelled step time of the even plan
+and a pipeline two ways (stage=4 × data=2, 1F1B: layers per stage; stage=2 × data=4 with the devices of a kind
+on one data position's stages: microbatches per data position), and prints the modelled step time of the even plan
 and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s). Then the planner's pick
 (``strategies.suggest.rank`` with the profile, every composition of up to 2-way tensor parallelism) against the
 best even plan on the same devices, which the slowest device paces. Nothing is compiled: the plans are laid out
@@ -80,11 +81,22 @@ def main() -> None:
         pp = hetero.summary(
             pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.executor.engine.placement.counts
         )
+        # Each data position runs its own pipeline, on stage devices of one kind, with microbatches by its speed.
+        columns = {"stage": 2, "data": 4}
+        placed = profile.reordered(hetero.kind_order(profile, columns, outer="data"))
+        options = strategies.PipelineOptions("1f1b", args.microbatches, 1, None)
+        even_plan = strategies.from_names("pp+dp", columns, pipeline_options=options)
+        ranks_plan = hetero.apply_profile(
+            even_plan, columns, placed, params=abstract, workload=workload, optimizer=optimizer
+        )
+        step, flops, modelled = priced(ranks_plan, columns)
+        ranks = hetero.summary(ranks_plan, columns, placed, args.batch_size, flops, modelled)
         picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile)
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
             ("dp+fsdp, data=4 × fsdp=2", *picked(("dp+fsdp", {"data": 4, "fsdp": 2}))),
             ("pp+dp, stage=4 × data=2", pp, f"layers {pp['layers_per_stage']}"),
+            ("pp+dp, stage=2 × data=4", ranks, f"microbatches per data position {ranks['rank_microbatches']}"),
             ("planner's pick", *picked()),
         ):
             t = info["simulated_step_time"]

@@ -118,7 +118,6 @@ class _Device(NamedTuple):
     chunks: list[Chunk]
     lay_out: Callable[[jax.Array], jax.Array]
     replicate: Callable[[Any], Any]
-    shards: int
 
 
 class _Slots(NamedTuple):
@@ -166,7 +165,18 @@ class Pipeline:
         self.remat = remat  # each layer's, inside every chunk: what F keeps and B or W recompute
         counts = split_layers(layers, spec.schedule.total_stages, spec.layers_per_stage)
         self.placement = Placement(spec.schedule, counts)
-        self.program = tick_program(spec.schedule, self.placement)
+        # With uneven data shares each data position runs its own schedule; the figures are the busiest's.
+        self.schedule = spec.busiest
+        self.program = tick_program(self.schedule, self.placement)
+        self.rank_programs: tuple[TickProgram, ...] = ()
+        if spec.data_schedules is not None:
+            positions = mesh.shape.get(spec.data_axis, 0)
+            if len(spec.data_schedules) != positions:
+                raise PlanError(
+                    f"pipeline: {len(spec.data_schedules)} schedules for the positions of {spec.data_axis!r}, "
+                    f"which has {positions} on this mesh; give one per position"
+                )
+            self.rank_programs = tuple(tick_program(d, self.placement) for d in spec.data_schedules)
 
     # -- parameter layout ---------------------------------------------------------------------------------
     def stack(self, params: Any) -> Any:
@@ -199,9 +209,35 @@ class Pipeline:
         return loss, grads
 
     def executed(self, params: Any, batch: Any) -> np.ndarray:
-        """Runs the schedule once and returns ``[tick, device]`` the action code each device's switch took."""
+        """Runs the schedule once and returns ``[tick, device]`` the action code each device's switch took
+        (``[tick, data position, device]`` where data positions run their own schedules)."""
         _, _, codes = jax.jit(self._run)(params, batch)
-        return np.asarray(codes).T
+        codes = np.asarray(codes)
+        return codes.transpose(2, 0, 1) if self.rank_programs else codes.T
+
+    @property
+    def loss_scale(self) -> int:
+        """What each microbatch's mean loss is divided by: the number of microbatches of the whole batch (each
+        device's loss is then its share of the mean, summed over the stages and the data axes)."""
+        if self.rank_programs:
+            return sum(self.spec.rank_microbatches)
+        return self.spec.schedule.microbatches * math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+    def _table(self) -> np.ndarray:
+        """``[tick, device, field]``, or ``[data position, tick, device, field]`` with the positions' own
+        schedules, each padded to the longest with idle ticks."""
+        if not self.rank_programs:
+            return self.program.table
+        ticks = max(p.ticks for p in self.rank_programs)
+        idle = np.zeros(self.program.table.shape[1:], np.int32)
+        for route in ("up", "down", "self"):
+            idle[:, FIELDS.index(f"{route}_slot")] = -1
+        return np.stack(
+            [
+                np.concatenate([p.table, np.broadcast_to(idle, (ticks - p.ticks, *idle.shape))])
+                for p in self.rank_programs
+            ]
+        )
 
     @property
     def branch_weights(self) -> dict[str, tuple[float, ...]]:
@@ -216,7 +252,7 @@ class Pipeline:
         >>> weights[TICK_SCOPE], weights[HEAD_SCOPE], weights[DEPTH_SCOPE]  # 4 F and 4 BW in 10 ticks
         ((0.2, 0.4, 0.0, 0.0, 0.4), (0.5, 0.5), (0.5, 0.5))
         """
-        kinds = self.program.table[:, 0, 0]
+        kinds = self.program.table[:, 0, 0]  # the busiest data position's, where they run their own schedules
         stages = self.spec.schedule.total_stages
         one_stage = (1 - 1 / stages, 1 / stages)  # a cond's branches: (false, true)
         depths = tuple(self.placement.counts.count(k) / stages for k in self.placement.branches)
@@ -242,6 +278,8 @@ class Pipeline:
         return {kind: (program(code) - none) / self.program.ticks for kind, code in CODES.items()}
 
     def _microbatches(self, batch: Any) -> Any:
+        if self.rank_programs:
+            return self._rank_microbatches(batch)
         m = self.spec.schedule.microbatches
 
         def split(x: jax.Array) -> jax.Array:
@@ -255,9 +293,34 @@ class Pipeline:
 
         return jax.tree.map(split, batch)
 
+    def _rank_microbatches(self, batch: Any) -> Any:
+        """``[data position, most microbatches, rows, ...]``: position ``i`` takes the next ``counts[i]``
+        microbatches of the batch in order (the rest of its rows are padding its schedule never reads)."""
+        counts = self.spec.rank_microbatches
+        total, most = sum(counts), max(counts)
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        index = np.array([[min(f + k, total - 1) for k in range(most)] for f in firsts])
+
+        def split(x: jax.Array) -> jax.Array:
+            if x.shape[0] % total:
+                raise ScheduleError(
+                    f"pipeline: the data positions run {list(counts)} microbatches of one size, {total} in all, "
+                    f"and a batch of {x.shape[0]} rows does not split into {total}; make the batch a multiple of "
+                    f"{total}"
+                )
+            micro = x.reshape(total, x.shape[0] // total, *x.shape[1:])
+            return jnp.take(micro, index.reshape(-1), axis=0).reshape(*index.shape, *micro.shape[1:])
+
+        return jax.tree.map(split, batch)
+
     def activation(self, params: Any, batch: Any) -> jax.ShapeDtypeStruct:
         """One device's stage input (a kept slot, a message between stages) for this batch."""
-        first = lambda batch: jax.tree.map(lambda x: x[0], self._microbatches(batch))  # noqa: E731
+
+        def first(batch: Any) -> Any:
+            # Traced as one program over all devices: a microbatch of each data position side by side.
+            one = (lambda x: x[:, 0].reshape(-1, *x.shape[3:])) if self.rank_programs else (lambda x: x[0])
+            return jax.tree.map(one, self._microbatches(batch))
+
         x = jax.eval_shape(lambda p, b: self.staged.embed(p, first(b)), params, batch)
         shards = math.prod(self.mesh.shape[a] for a in self.data_axes)
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
@@ -275,7 +338,7 @@ class Pipeline:
         >>> Pipeline(None, plan.execution, mesh, layers=4).weight_uses(0.25)  # 4 F, 4 B, 4 W reading a quarter
         (9.0, 4.0)
         """
-        s = self.spec.schedule
+        s = self.schedule
         kinds = [a.kind for a in s.actions[0]]  # every device runs each microbatch of each of its chunks once
         uses = len(kinds) - kinds.count("W") * (1 - weight_grad_share)
         grads = kinds.count("W") + kinds.count("BW")
@@ -283,13 +346,15 @@ class Pipeline:
 
     def figures(self) -> dict[str, Any]:
         """The schedule's figures: simulated with unit op costs (F = B = W, what the executor's actions cost: no
-        action runs a forward again), asynchronously and in lock-step as the executor runs it, in ticks."""
-        s = self.spec.schedule
+        action runs a forward again), asynchronously and in lock-step as the executor runs it, in ticks. Where the
+        data positions run their own schedules, the busiest one's, with each position's microbatches."""
+        s = self.schedule
         timeline, lockstep = simulate(s), simulate_lockstep(s)
         return {
             "schedule": s.name,
             "stages": s.stages,
             "microbatches": s.microbatches,
+            "rank_microbatches": list(self.spec.rank_microbatches or ()) or None,
             "virtual": s.virtual,
             "layers_per_stage": list(self.placement.counts),
             "bubble_fraction": float(timeline.bubble_fraction),
@@ -308,16 +373,19 @@ class Pipeline:
         stacked = _get(params, self.staged.layers_key)
         outer = _set(params, self.staged.layers_key, None)
         x_abstract = self.activation(params, batch)
-        batch_spec = PartitionSpec(None, data_axes or None)
+        # Data positions with their own schedules take their own microbatches, and tell their codes apart.
+        ranks = self.spec.data_axis if self.rank_programs else None
+        batch_spec = PartitionSpec(ranks) if ranks else PartitionSpec(None, data_axes or None)
+        codes_spec = PartitionSpec(ranks, axis) if ranks else PartitionSpec(axis)
         run = jax.shard_map(
             functools.partial(self._body, x_abstract=x_abstract),
             mesh=self.mesh,
             in_specs=(PartitionSpec(axis), PartitionSpec(), batch_spec, PartitionSpec()),
-            out_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec(axis)),
+            out_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), codes_spec),
             axis_names={axis, *data_axes},
             check_vma=False,
         )
-        loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(self.program.table))
+        loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(self._table()))
         return loss, _set(grad_outer, self.staged.layers_key, grad_layers), codes
 
     def chunks(self, weights: Any, x: Any) -> list[Chunk]:
@@ -343,6 +411,9 @@ class Pipeline:
         logical = self.staged.activation_names
         lay_out = (lambda x: constrain(x, (None, *logical))) if logical else (lambda x: x)  # noqa: E731
         weights = jax.tree.map(lambda a: a[0], stacked)  # this device's [chunk, layer, ...]
+        if self.rank_programs:  # this data position's microbatches and schedule
+            micro = jax.tree.map(lambda m: m[0], micro)
+            table = table[jax.lax.axis_index(self.spec.data_axis)]
         x = jnp.zeros(x_abstract.shape, x_abstract.dtype)
         device = _Device(
             weights=weights,
@@ -351,12 +422,11 @@ class Pipeline:
             chunks=self.chunks(weights, x),  # one per distinct stage depth: a shallower stage computes less
             lay_out=lay_out,
             replicate=replicate,
-            # Each device's loss is the mean over its own rows: the mean over all is their mean over data_axes.
-            shards=math.prod(self.mesh.shape[a] for a in data_axes),
         )
-        n, chunk = self.program.slots + 1, device.chunks[0]  # the last slot is spare: what no slot keeps goes there
+        slots = max(p.slots for p in self.rank_programs or (self.program,))
+        n, chunk = slots + 1, device.chunks[0]  # the last slot is spare: what no slot keeps goes there
         # B hands values to W only in schedules that split the backward.
-        split = any(a.kind == "W" for row in self.spec.schedule.actions for a in row)
+        split = any(a.kind == "W" for row in self.schedule.actions for a in row)
         slots = _Slots(
             lay_out(jnp.zeros((n, *x.shape), x.dtype)),
             lay_out(jnp.zeros((n, *x.shape), x.dtype)),
@@ -372,7 +442,12 @@ class Pipeline:
         loss, grad_outer = jax.lax.psum((loss, grad_outer), axis)
         if data_axes:  # one reduction of everything, as data parallelism makes
             loss, grad_outer, grad_w = jax.lax.psum((loss, grad_outer, grad_w), data_axes)
-        return loss, jax.tree.map(lambda g: g[None], grad_w), grad_outer, codes[None]
+        return (
+            loss,
+            jax.tree.map(lambda g: g[None], grad_w),
+            grad_outer,
+            codes[None, None] if self.rank_programs else codes[None],
+        )
 
 
 class _Tick:
@@ -412,7 +487,7 @@ class _Tick:
         staged, outer, batch, last = self.engine.staged, self.device.outer, self.batch, self.field["last"]
         x = jnp.where(self.field["first"], staged.embed(outer, batch), self._read(self.slots.inputs))
         y, kept = self._by_depth("forward", self.w, x)
-        scale = self.engine.spec.schedule.microbatches * self.device.shards
+        scale = self.engine.loss_scale
 
         def head(outer: Any, y: jax.Array) -> tuple:
             # On the last stage F also makes the loss's gradient: its output gradient, kept for its own B.
@@ -537,9 +612,18 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
         warnings.simplefilter("ignore", PlanWarning)
         split = task.plan.resolve(stacked, task.mesh).leaves
     data_axes = _manual_axes(task.plan, split, task.mesh)
+    if spec.data_schedules is not None and data_axes != (spec.data_axis,):
+        raise PlanError(
+            f"pipeline: the positions of {spec.data_axis!r} run their own schedules, so the program must run "
+            f"manual over {spec.data_axis!r} alone (it would over {list(data_axes)}): split no parameter over "
+            f"{spec.data_axis!r} (FSDP over an axis of its own), and make it the only other batch axis that "
+            f"splits no parameter"
+        )
     engine = Pipeline(task.staged, spec, task.mesh, layers, data_axes=data_axes, remat=task.plan.remat)
     return Executor(
         engine.value_and_grad,
+        # Data positions with their own schedules take their own rows of the whole batch.
+        splits_batch=spec.data_schedules is None,
         to_stored=engine.stack,
         to_model=engine.unstack,
         costs=functools.partial(_costs, engine, task.plan),
@@ -595,7 +679,7 @@ def _slot_bytes(
     if workload is not None:
         auto /= _model_axes_share(engine, plan, layout, workload)
     message = _message_bytes(engine, plan, layout, batch)
-    split = any(a.kind == "W" for row in engine.spec.schedule.actions for a in row)
+    split = any(a.kind == "W" for row in engine.schedule.actions for a in row)
     # Offloaded residuals (an offload remat policy's) live in host memory between F and the backward, which
     # brings them back to the device while it runs.
     offloaded = chunk.offloaded_bytes
@@ -625,7 +709,7 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     parameters outside the stacked layers reduce over the stages once. Memory: the slots (see
     :func:`_slot_bytes`) and one tick's working set; offloaded residuals on the host, moved per tick (see
     :func:`_host_transfers`). Work: the layers' split over the stages, the head's on the last stage alone."""
-    sizes, schedule = dict(engine.mesh.shape), engine.spec.schedule
+    sizes, schedule = dict(engine.mesh.shape), engine.schedule
     message = _message_bytes(engine, plan, layout, batch)
     prefix = "/".join(engine.staged.layers_key) + "/"
     rows = layout.params.leaves
@@ -646,6 +730,10 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     # The stacked layers' work is split over the stages; the head's runs on the last stage only.
     layers = flops_per_device([r for r in rows if r.path.startswith(prefix)], plan, sizes, workload)
     head = flops_per_device([r for r in rows if not r.path.startswith(prefix)], plan, sizes, workload)
+    counts = engine.spec.rank_microbatches
+    if counts:  # the compiled program's work is the busiest data position's: its microbatches of one size
+        busiest = max(counts) * len(counts) / sum(counts)
+        layers, head = layers * busiest, head * busiest
     return Contribution(
         tuple(traffic),
         kept,
@@ -672,9 +760,16 @@ def _host_transfers(schedule: Any, slot: dict[str, int]) -> tuple[Traffic, ...]:
 def _summary(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any) -> Summary:
     slot, _ = _slot_bytes(engine, plan, layout, batch)
     pl = {**engine.figures(), "slot_bytes": slot["inputs"], "slot_parts": slot}
+    # Data positions with their own schedules: the figures are the busiest's.
+    counts = pl["rank_microbatches"]
+    micro = (
+        f"microbatches per data position {counts} (figures: the busiest's)"
+        if counts
+        else f"{pl['microbatches']} microbatches"
+    )
     text = (
         f"pipeline: {pl['schedule']} on {pl['stages']} stages × {pl['virtual']} chunk(s), "
-        f"{pl['microbatches']} microbatches, layers per stage {pl['layers_per_stage']}; simulated bubble "
+        f"{micro}, layers per stage {pl['layers_per_stage']}; simulated bubble "
         f"{pl['bubble_fraction']:.3f} (lock-step, as executed: {pl['lockstep_bubble_fraction']:.3f}), peak in "
         f"flight {pl['peak_inflight']}, held until W {pl['peak_held']}; "
         f"executed in {pl['ticks']} ticks with {pl['slots']} input slots of "

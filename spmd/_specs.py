@@ -84,18 +84,50 @@ class PipelineSpec(ExecutionSpec):
     axis: str
     schedule: Schedule
     layers_per_stage: tuple[int, ...] | None = None
+    # Uneven data shares: position ``i`` of ``data_axis`` runs its own pipeline, ``data_schedules[i]`` (the
+    # schedule with its own number of microbatches, all of one size), so a slow rank runs fewer of them.
+    data_schedules: tuple[Schedule, ...] | None = None
+    data_axis: str = "data"
     source: ClassVar[str] = "pipeline"
     splits_state: ClassVar[bool] = True
     takes_context: ClassVar[bool] = True  # a tick's action is the same on one stage's context devices
+
+    def __post_init__(self) -> None:
+        if self.data_schedules is None:
+            return
+        s = self.schedule
+        for i, d in enumerate(self.data_schedules):
+            if (d.stages, d.virtual, d.placement) != (s.stages, s.virtual, s.placement):
+                raise ValueError(
+                    f"pipeline: the schedule of {self.data_axis} position {i} runs {d.stages} stages × {d.virtual} "
+                    f"chunks ({d.placement}), the plan's {s.stages} × {s.virtual} ({s.placement}); every data "
+                    f"position runs the plan's pipeline, with its own number of microbatches"
+                )
+
+    @property
+    def busiest(self) -> Schedule:
+        """The schedule of the data position with the most microbatches (the plan's own without shares): the
+        compiled program's counts are that device's."""
+        return max(self.data_schedules or (self.schedule,), key=lambda s: s.microbatches)
+
+    @property
+    def rank_microbatches(self) -> tuple[int, ...] | None:
+        """Microbatches per position of ``data_axis`` (None: every position runs the plan's schedule)."""
+        return None if self.data_schedules is None else tuple(s.microbatches for s in self.data_schedules)
 
     def describe(self) -> str:
         s = self.schedule
         chunks = f", {s.virtual} chunks per device" if s.virtual > 1 else ""
         layers = f", layers per stage {list(self.layers_per_stage)}" if self.layers_per_stage else ""
-        return f"pipeline {s.name} over {self.axis} ({s.stages} stages, {s.microbatches} microbatches{chunks}{layers})"
+        micro = (
+            f"microbatches per {self.data_axis} position {list(self.rank_microbatches)}"
+            if self.data_schedules
+            else f"{s.microbatches} microbatches"
+        )
+        return f"pipeline {s.name} over {self.axis} ({s.stages} stages, {micro}{chunks}{layers})"
 
     def axes(self) -> frozenset[str]:
-        return frozenset((self.axis,))
+        return frozenset((self.axis, self.data_axis) if self.data_schedules else (self.axis,))
 
     def logical_rules(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return ((names.STAGE, (self.axis,)),)

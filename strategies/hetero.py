@@ -7,8 +7,9 @@ Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
 - :func:`batch_shares`: examples per data-parallel rank proportional to its speed (a rank's speed is its
   slowest device's), capped by what its memory holds;
 - :func:`stage_layers`: layers per pipeline stage proportional to the stage's speed;
-- :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism)
-  inside one device kind;
+- :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism, a
+  pipeline's stages of one data position) inside one device kind;
+- :func:`rank_microbatches`: a pipeline's microbatches per data position proportional to its speed;
 - :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.execution.UnevenData``);
 - :func:`apply_profile`: a plan made uneven for a profile: layers per stage for a pipeline, batch shares for
   data parallelism;
@@ -38,6 +39,7 @@ from spmd.devices import Profile
 from spmd.execution import PipelineSpec, Shares
 from spmd.pipeline import Schedule, simulate
 from spmd.rules import ShardLargest, leaves_with_paths
+from strategies.pipeline import SCHEDULES, pipeline_schedule
 
 __all__ = [
     "apply_profile",
@@ -47,6 +49,7 @@ __all__ = [
     "pipeline_step_times",
     "profiled_step_time",
     "proportional_split",
+    "rank_microbatches",
     "rank_speeds",
     "stage_layers",
     "summary",
@@ -204,16 +207,64 @@ def stage_layers(
     return proportional_split(layers, rank_speeds(profile, mesh_axes, axis))
 
 
-def kind_order(profile: Profile, mesh_axes: Mapping[str, int]) -> tuple[int, ...]:
-    """A device order (indices into the profile) with the devices of each kind contiguous, so that the groups
-    along the innermost mesh axes (tensor parallelism) stay inside one kind wherever the kinds' counts allow.
+def rank_microbatches(
+    schedule: Schedule, profile: Profile, mesh_axes: Mapping[str, int], *, axis: str = "data"
+) -> tuple[Schedule, ...]:
+    """One schedule per position along ``axis`` for a pipeline whose data positions run their own: the
+    ``schedule``'s microbatches times the positions, split in proportion to each position's speed (its slowest
+    device's) into microbatches of one size. A position's memory holds as many microbatches in flight as the
+    schedule keeps (1F1B's at most the stages), so the memory caps do not bind here.
+
+    >>> from strategies.pipeline import pipeline_schedule
+    >>> s = pipeline_schedule("1f1b", stages=2, microbatches=4)
+    >>> [r.microbatches for r in rank_microbatches(s, Profile.from_speeds([3, 1, 1, 2] * 2), {"stage": 2, "data": 4})]
+    [7, 2, 2, 5]
+    """
+    profile.check(math.prod(mesh_axes.values()))
+    if schedule.name not in SCHEDULES:
+        raise ValueError(
+            f"the data positions of a pipeline take microbatches by their speeds, each running the schedule "
+            f"with its own count, and the table {schedule.name!r} fixes its microbatches; use a named schedule "
+            f"({', '.join(SCHEDULES)}) or pass --even"
+        )
+    # Interleaved schedules run their microbatches in rounds of the stages.
+    unit = schedule.stages if schedule.name == "interleaved" else 1
+    speeds = rank_speeds(profile, mesh_axes, axis)
+    counts = proportional_split(schedule.microbatches * len(speeds) // unit, speeds)
+    if 0 in counts:
+        i = counts.index(0)
+        least = unit * math.ceil(sum(speeds) / (min(speeds) * len(speeds)))
+        raise ValueError(
+            f"{_named(mesh_axes, axis, i)} gets no microbatch of the pipeline's {schedule.microbatches} per data "
+            f"position (split {[unit * c for c in counts]} by speeds {list(speeds)}); give at least "
+            f"--microbatches {least}, or leave the device out of the mesh"
+        )
+    return tuple(
+        pipeline_schedule(schedule.name, stages=schedule.stages, microbatches=unit * c, virtual=schedule.virtual)
+        for c in counts
+    )
+
+
+def kind_order(profile: Profile, mesh_axes: Mapping[str, int], *, outer: str | None = None) -> tuple[int, ...]:
+    """A device order (indices into the profile, in mesh order) with the devices of each kind contiguous along
+    ``outer`` (default: the mesh's first axis): the positions of ``outer`` take runs of one kind, so the groups
+    along the other axes (tensor parallelism; a pipeline's stages of one data position) stay inside one kind
+    wherever the kinds' counts allow.
 
     >>> kind_order(Profile.from_speeds([1, 2, 1, 2]), {"data": 2, "tensor": 2})
+    (0, 2, 1, 3)
+    >>> kind_order(Profile.from_speeds([3, 3, 1, 1]), {"stage": 2, "data": 2}, outer="data")  # a kind per position
     (0, 2, 1, 3)
     """
     profile.check(math.prod(mesh_axes.values()))
     first_seen = {k: i for i, k in reversed(list(enumerate(profile.kinds)))}
-    return tuple(sorted(range(len(profile.devices)), key=lambda i: (first_seen[profile.kinds[i]], i)))
+    runs = sorted(range(len(profile.devices)), key=lambda i: (first_seen[profile.kinds[i]], i))
+    names = list(mesh_axes)
+    outer = outer or names[0]
+    # Lay the runs out with ``outer`` first, then put the axes back in the mesh's order.
+    order = [outer] + [a for a in names if a != outer]
+    grid = np.array(runs).reshape(tuple(mesh_axes[a] for a in order))
+    return tuple(int(i) for i in np.transpose(grid, [order.index(a) for a in names]).reshape(-1))
 
 
 def uneven_data_parallel(shares: Sequence[int], *, axis: str = "data", microbatch: int | None = None) -> Plan:
@@ -270,6 +321,40 @@ def pipeline_step_times(
     return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(speeds) / (p * min(speeds))}
 
 
+def _pipeline_times(
+    spec: PipelineSpec,
+    even: Sequence[int],
+    layers: Sequence[int],
+    profile: Profile,
+    mesh_axes: Mapping[str, int],
+    layer_s: float,
+    comm_s: float,
+) -> dict[str, float]:
+    """A pipeline's modelled step, even and uneven, communication (``comm_s``) added to both: without data
+    schedules the stages' (each at its slowest device's speed); with them, each data position runs its own
+    pipeline on its devices, and the step lasts as long as the slowest of them (the even split: every position
+    runs the plan's own schedule)."""
+    fastest = max(profile.speeds)
+    if spec.data_schedules is None:
+        speeds = [x / fastest for x in rank_speeds(profile, mesh_axes, spec.axis)]
+        t = pipeline_step_times(spec.schedule, even, layers, speeds, layer_s)
+        t_even, t_hetero, ideal = t["even"] + comm_s, t["hetero"] + comm_s, t["ideal"]
+        return {"even": t_even, "hetero": t_hetero, "speedup": t_even / t_hetero, "ideal": ideal}
+    grid = np.array(profile.speeds).reshape(tuple(mesh_axes.values())) / fastest
+    order = [list(mesh_axes).index(spec.axis), list(mesh_axes).index(spec.data_axis)]
+    # [stage device, data position, the rest]: a stage device of a position runs at its slowest device's speed.
+    per = np.moveaxis(grid, order, (0, 1)).reshape(mesh_axes[spec.axis], mesh_axes[spec.data_axis], -1).min(axis=2)
+    plain = spec.schedule  # the plan's own, run by every position in the even split
+    t_even = comm_s + max(
+        pipeline_step_times(plain, even, even, per[:, d], layer_s)["even"] for d in range(per.shape[1])
+    )
+    t = comm_s + max(
+        pipeline_step_times(r, layers, layers, per[:, d], layer_s)["even"] for d, r in enumerate(spec.data_schedules)
+    )
+    speeds = rank_speeds(profile, mesh_axes, spec.data_axis)
+    return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(speeds) / (len(speeds) * min(speeds))}
+
+
 def summary(
     plan: Plan,
     mesh_axes: Mapping[str, int],
@@ -294,14 +379,16 @@ def summary(
     out: dict[str, Any] = {}
     spec = plan.execution
     if isinstance(spec, PipelineSpec):
-        speeds = rank_speeds(profile, mesh_axes, spec.axis)
         layers = tuple(layers_per_stage or spec.layers_per_stage or ())
-        s, total = spec.schedule, sum(layers)
+        total = sum(layers)
         even = (total // len(layers),) * len(layers) if total % len(layers) == 0 else layers
-        # One layer's F, B or W for one microbatch: the whole step's FLOPs over 3 · layers · microbatches.
-        layer_s = flops_per_device * math.prod(mesh_axes.values()) / (3 * total * s.microbatches) / rate
-        times = pipeline_step_times(s, even, layers, [x / max(profile.speeds) for x in speeds], layer_s)
+        # One layer's F, B or W for one microbatch on one device: a device's FLOPs (the busiest data
+        # position's) over 3 · its stage's layers · microbatches, the layers taken as even.
+        s = spec.busiest
+        layer_s = flops_per_device * s.stages / (3 * total * s.microbatches) / rate
+        times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, modelled.comm_s)
         out["layers_per_stage"] = list(layers)
+        out["rank_microbatches"] = list(spec.rank_microbatches) if spec.data_schedules else None
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
         uneven = spec if isinstance(spec, Shares) else None
@@ -340,7 +427,7 @@ def profiled_step_time(
     """
     t = estimate.time
     spec = plan.execution
-    if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and spec.layers_per_stage):
+    if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and (spec.layers_per_stage or spec.data_schedules)):
         return summary(plan, mesh_axes, profile, batch, estimate.flops, t)["simulated_step_time"]["hetero"]
     return t.compute_s * max(profile.speeds) / min(profile.speeds) + t.comm_s
 
@@ -356,7 +443,8 @@ def apply_profile(
     microbatch: int = 1,
 ) -> Plan:
     """``plan`` made uneven for the devices of ``profile``: a pipeline's stages get layers by their speed (unless
-    the plan gives layers per stage, or loops over chunks); data parallelism gets batch shares by speed, capped by
+    the plan gives layers per stage, or loops over chunks), and its data positions, where their speeds differ,
+    microbatches by theirs (:func:`rank_microbatches`); data parallelism gets batch shares by speed, capped by
     what each device's memory holds (the model state of ``plan``, and the activations of one example of
     ``workload``'s sequence length for ``params``), in multiples of ``microbatch``.
 
@@ -371,10 +459,14 @@ def apply_profile(
     """
     if isinstance(plan.execution, PipelineSpec):
         spec = plan.execution
-        if spec.layers_per_stage or spec.schedule.virtual > 1:
-            return plan  # layers given by hand, or chunks that loop over every stage
-        counts = stage_layers(_stacked_layers(params), profile, mesh_axes, axis=spec.axis)
-        return dataclasses.replace(plan, execution=dataclasses.replace(spec, layers_per_stage=counts))
+        if not spec.layers_per_stage and spec.schedule.virtual == 1:  # not given by hand, nor looping chunks
+            counts = stage_layers(_stacked_layers(params), profile, mesh_axes, axis=spec.axis)
+            spec = dataclasses.replace(spec, layers_per_stage=counts)
+        if mesh_axes.get("data", 1) > 1 and "data" in plan.batch_axes:
+            speeds = rank_speeds(profile, mesh_axes, "data")
+            if len(set(speeds)) > 1:  # each data position runs its own pipeline, with microbatches by its speed
+                spec = dataclasses.replace(spec, data_schedules=rank_microbatches(spec.schedule, profile, mesh_axes))
+        return dataclasses.replace(plan, execution=spec)
     if "data" not in plan.batch_axes or mesh_axes.get("data", 1) == 1:
         raise ValueError(
             "a device profile gives data-parallel ranks uneven batch shares, or pipeline stages uneven layers: "

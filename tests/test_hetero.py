@@ -13,7 +13,7 @@ import spmd
 from spmd import costmodel, data, models
 from spmd.devices import Profile
 from strategies import hetero
-from tests.conftest import run_cli
+from tests.conftest import run_cli, train_steps
 
 
 def test_acceptance_shares_follow_the_speeds():
@@ -156,6 +156,67 @@ def test_cli_run_uneven_pipeline_stages_checked(capsys):
     )  # fmt: skip
     j = json.loads(out)
     assert code == 0 and j["layers_per_stage"] == [3, 3, 1, 1] and j["max_abs_diff"] <= 1e-4
+
+
+def test_a_pipelines_data_positions_run_their_own_microbatches_and_equal_one_device():
+    """Speeds 3:1:1:2 along data, the same on both stages: each data position runs its own 1F1B with
+    microbatches by its speed (7, 2, 2, 5 of one size), read back from the executed program, and two steps
+    equal one device's."""
+    import strategies
+
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    sizes = {"stage": 2, "data": 4}
+    plan = strategies.pipeline("1f1b", stages=2, microbatches=4) + strategies.data_parallel()
+    plan = hetero.apply_profile(
+        plan, sizes, Profile.from_speeds([3, 1, 1, 2] * 2), params=params, workload=costmodel.Workload(32, 32),
+        optimizer=optax.sgd(0.1),
+    )  # fmt: skip
+    assert plan.execution.rank_microbatches == (7, 2, 2, 5) and plan.execution.layers_per_stage == (1, 1)
+    losses, state, step = train_steps(model, plan, spmd.make_mesh(sizes), steps=2, batch_size=32)
+    codes = step.executor.engine.executed(state.params, data.batch(0, 0, 32, model.config.seq_len, 256))
+    # [tick, data position, stage device]: every stage device of a position runs its microbatches' F once.
+    np.testing.assert_array_equal((codes == 1).sum(axis=0), [[7, 7], [2, 2], [2, 2], [5, 5]])
+    one = spmd.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    ref_losses, ref_state, ref = train_steps(model, spmd.Plan(), one, steps=2, batch_size=32)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(step.params_of(state)), jax.tree.leaves(ref.params_of(ref_state)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a batch of 24 rows does not split into 16"):
+        step.executor.engine.value_and_grad(state.params, data.batch(0, 0, 24, 32, 256))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "strategy", "speeds", "counts"),
+    [
+        # The API test above checks this mesh in the default tier.
+        pytest.param("stage=2,data=4", "pp+dp", "3,1,1,2,3,1,1,2", [7, 2, 2, 5], marks=pytest.mark.slow),
+        pytest.param("stage=2,data=2,tensor=2", "pp+dp+tp", "2,2,1,1,2,2,1,1", [5, 3], marks=pytest.mark.slow),
+        pytest.param("stage=2,data=2,fsdp=2", "pp+dp+fsdp", "3,3,1,1,3,3,1,1", [6, 2], marks=pytest.mark.slow),
+    ],
+)
+def test_cli_run_a_pipelines_data_positions_by_speed_checked(capsys, mesh, strategy, speeds, counts):
+    """Microbatches per data position by its speed (tensor or FSDP groups inside each position): the
+    pipeline keeps the devices in the order given, and trains equal to one device."""
+    code, out, err = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, "--device-speeds", speeds,
+        "--batch-size", "32", "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    j = json.loads(out)
+    assert j["rank_microbatches"] == counts and j["max_abs_diff"] <= 1e-4
+
+
+def test_a_pipeline_data_position_without_a_microbatch_is_refused_naming_it(capsys):
+    code, _, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--mesh", "stage=2,data=4", "--strategy", "pp+dp",
+        "--device-speeds", "9,1,1,1,9,1,1,1", "--microbatches", "1", "--batch-size", "16",
+    )  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "data position 2 (devices 2, 6) gets no microbatch" in err and "--microbatches 3" in err
+    table = spmd.pipeline.Schedule("mine", 1, (("F0", "BW0"), ("F0", "BW0")))
+    with pytest.raises(ValueError, match="the table 'mine' fixes its microbatches"):
+        hetero.rank_microbatches(table, Profile.from_speeds([2, 1] * 2), {"stage": 2, "data": 2})
 
 
 @pytest.mark.slow  # shares and their caps are checked through the API in the default tier

@@ -13,8 +13,8 @@ __all__ = ["figures", "text"]
 
 
 def figures(s: Setup, report: Report) -> dict[str, Any]:
-    """``batch_shares`` or ``layers_per_stage``, the modelled step time of the even split and of the uneven one,
-    their ratio, and the ideal ratio Σs / (N · min s)."""
+    """``batch_shares`` or ``layers_per_stage`` (and a pipeline's ``rank_microbatches``), the modelled step time
+    of the even split and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s)."""
     # A pipeline's layers per stage, as its engine placed them (an even split unless the plan says otherwise).
     layers = report.execution.figures.get("layers_per_stage") if report.execution is not None else None
     return hetero.summary(
@@ -31,6 +31,8 @@ def text(info: dict[str, Any]) -> str:
         if info.get("layers_per_stage")
         else "even split"
     )
+    if info.get("rank_microbatches"):
+        split += f", microbatches per data position {info['rank_microbatches']}"
     t = info["simulated_step_time"]
     speedup, ideal = info["simulated_speedup"], info["ideal_speedup"]
     return (

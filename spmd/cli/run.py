@@ -34,6 +34,8 @@ def command(args: argparse.Namespace) -> int:
         out["batch_shares"] = list(spec.shares)
     if isinstance(spec, PipelineSpec):
         out["layers_per_stage"] = list(spec.layers_per_stage or ())
+        if spec.data_schedules:
+            out["rank_microbatches"] = list(spec.rank_microbatches)
     if args.on_nan == "skip":
         out["skipped_steps"] = list(run.skipped)
     if args.checkpoint_dir:

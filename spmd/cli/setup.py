@@ -88,8 +88,11 @@ def setup(
     explicit = getattr(args, "axis_types", "explicit") == "explicit"  # the demo has no flag: the default
     mesh = _mesh(spmd.parse_mesh(mesh_text or args.mesh), _dcn(args), explicit)
     profile = profile_of(args, mesh.size)
-    if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1:
-        # Devices of one kind together, so that the groups along the inner axes stay inside one kind.
+    pipelined = "pp" in (strategy or args.strategy).split("+")
+    if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1 and not pipelined:
+        # Devices of one kind together, so that the groups along the inner axes stay inside one kind. A
+        # pipeline keeps the order given: its stages take layers, and its data positions microbatches, by the
+        # speeds of the devices placed there.
         order = strategies.hetero.kind_order(profile, dict(mesh.shape))
         mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
