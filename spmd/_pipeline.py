@@ -39,6 +39,7 @@ from spmd._executor import Executor, Summary, Task
 from spmd._format import format_bytes
 from spmd._hlo import matmul_flops
 from spmd._layout import StateLayout, stored_abstract
+from spmd._positions import DataPositions
 from spmd._remat import Remat
 from spmd._residuals import LayerVjp, zeros
 from spmd._resolve import PlanWarning
@@ -129,6 +130,17 @@ class _Slots(NamedTuple):
     kept: tuple[jax.Array, ...]
     carried: tuple[jax.Array, ...]
 
+    @classmethod
+    def empty(cls, n: int, x: jax.Array, chunk: Chunk, split: bool, lay_out: Callable) -> _Slots:
+        """``n`` empty slots for stage inputs like ``x`` and for what ``chunk`` keeps (offloaded parts on the
+        host), and for what B hands to W where the schedule splits the backward (``split``)."""
+        return cls(
+            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
+            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
+            tuple(zeros(k.update(shape=(n, *k.shape))) for k in chunk.kept),
+            tuple(jnp.zeros((n, *c.shape), c.dtype) for c in chunk.carried) if split else (),
+        )
+
 
 class Pipeline:
     """The engine for one model, pipeline spec and mesh: restacks parameters, and gives the loss and the
@@ -168,15 +180,7 @@ class Pipeline:
         # With uneven data shares each data position runs its own schedule; the figures are the busiest's.
         self.schedule = spec.busiest
         self.program = tick_program(self.schedule, self.placement)
-        self.rank_programs: tuple[TickProgram, ...] = ()
-        if spec.data_schedules is not None:
-            positions = mesh.shape.get(spec.data_axis, 0)
-            if len(spec.data_schedules) != positions:
-                raise PlanError(
-                    f"pipeline: {len(spec.data_schedules)} schedules for the positions of {spec.data_axis!r}, "
-                    f"which has {positions} on this mesh; give one per position"
-                )
-            self.rank_programs = tuple(tick_program(d, self.placement) for d in spec.data_schedules)
+        self.positions = DataPositions.of(spec, mesh, self.placement)
 
     # -- parameter layout ---------------------------------------------------------------------------------
     def stack(self, params: Any) -> Any:
@@ -213,31 +217,15 @@ class Pipeline:
         (``[tick, data position, device]`` where data positions run their own schedules)."""
         _, _, codes = jax.jit(self._run)(params, batch)
         codes = np.asarray(codes)
-        return codes.transpose(2, 0, 1) if self.rank_programs else codes.T
+        return codes.transpose(2, 0, 1) if self.positions else codes.T
 
     @property
     def loss_scale(self) -> int:
         """What each microbatch's mean loss is divided by: the number of microbatches of the whole batch (each
         device's loss is then its share of the mean, summed over the stages and the data axes)."""
-        if self.rank_programs:
-            return sum(self.spec.rank_microbatches)
+        if self.positions:
+            return sum(self.positions.counts)
         return self.spec.schedule.microbatches * math.prod(self.mesh.shape[a] for a in self.data_axes)
-
-    def _table(self) -> np.ndarray:
-        """``[tick, device, field]``, or ``[data position, tick, device, field]`` with the positions' own
-        schedules, each padded to the longest with idle ticks."""
-        if not self.rank_programs:
-            return self.program.table
-        ticks = max(p.ticks for p in self.rank_programs)
-        idle = np.zeros(self.program.table.shape[1:], np.int32)
-        for route in ("up", "down", "self"):
-            idle[:, FIELDS.index(f"{route}_slot")] = -1
-        return np.stack(
-            [
-                np.concatenate([p.table, np.broadcast_to(idle, (ticks - p.ticks, *idle.shape))])
-                for p in self.rank_programs
-            ]
-        )
 
     @property
     def branch_weights(self) -> dict[str, tuple[float, ...]]:
@@ -278,50 +266,14 @@ class Pipeline:
         return {kind: (program(code) - none) / self.program.ticks for kind, code in CODES.items()}
 
     def _microbatches(self, batch: Any) -> Any:
-        if self.rank_programs:
-            return self._rank_microbatches(batch)
-        m = self.spec.schedule.microbatches
-
-        def split(x: jax.Array) -> jax.Array:
-            if x.shape[0] % m:
-                raise ScheduleError(
-                    f"pipeline: batch of {x.shape[0]} rows cannot be split into {m} microbatches; make the batch "
-                    f"a multiple of {m}"
-                )
-            # Row r = i·m + k goes to microbatch k: each device's batch shard splits locally, with no exchange.
-            return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-        return jax.tree.map(split, batch)
-
-    def _rank_microbatches(self, batch: Any) -> Any:
-        """``[data position, most microbatches, rows, ...]``: position ``i`` takes the next ``counts[i]``
-        microbatches of the batch in order (the rest of its rows are padding its schedule never reads)."""
-        counts = self.spec.rank_microbatches
-        total, most = sum(counts), max(counts)
-        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        index = np.array([[min(f + k, total - 1) for k in range(most)] for f in firsts])
-
-        def split(x: jax.Array) -> jax.Array:
-            if x.shape[0] % total:
-                raise ScheduleError(
-                    f"pipeline: the data positions run {list(counts)} microbatches of one size, {total} in all, "
-                    f"and a batch of {x.shape[0]} rows does not split into {total}; make the batch a multiple of "
-                    f"{total}"
-                )
-            micro = x.reshape(total, x.shape[0] // total, *x.shape[1:])
-            return jnp.take(micro, index.reshape(-1), axis=0).reshape(*index.shape, *micro.shape[1:])
-
-        return jax.tree.map(split, batch)
+        if self.positions:
+            return self.positions.microbatches(batch)
+        return _even_microbatches(batch, self.spec.schedule.microbatches)
 
     def activation(self, params: Any, batch: Any) -> jax.ShapeDtypeStruct:
         """One device's stage input (a kept slot, a message between stages) for this batch."""
-
-        def first(batch: Any) -> Any:
-            # Traced as one program over all devices: a microbatch of each data position side by side.
-            one = (lambda x: x[:, 0].reshape(-1, *x.shape[3:])) if self.rank_programs else (lambda x: x[0])
-            return jax.tree.map(one, self._microbatches(batch))
-
-        x = jax.eval_shape(lambda p, b: self.staged.embed(p, first(b)), params, batch)
+        first = self.positions.first if self.positions else functools.partial(jax.tree.map, lambda x: x[0])
+        x = jax.eval_shape(lambda p, b: self.staged.embed(p, first(self._microbatches(b))), params, batch)
         shards = math.prod(self.mesh.shape[a] for a in self.data_axes)
         return jax.ShapeDtypeStruct((x.shape[0] // shards, *x.shape[1:]), x.dtype)
 
@@ -374,7 +326,7 @@ class Pipeline:
         outer = _set(params, self.staged.layers_key, None)
         x_abstract = self.activation(params, batch)
         # Data positions with their own schedules take their own microbatches, and tell their codes apart.
-        ranks = self.spec.data_axis if self.rank_programs else None
+        ranks = self.positions.axis if self.positions else None
         batch_spec = PartitionSpec(ranks) if ranks else PartitionSpec(None, data_axes or None)
         codes_spec = PartitionSpec(ranks, axis) if ranks else PartitionSpec(axis)
         run = jax.shard_map(
@@ -385,7 +337,8 @@ class Pipeline:
             axis_names={axis, *data_axes},
             check_vma=False,
         )
-        loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(self._table()))
+        table = self.positions.table() if self.positions else self.program.table
+        loss, grad_layers, grad_outer, codes = run(stacked, outer, micro, jnp.asarray(table))
         return loss, _set(grad_outer, self.staged.layers_key, grad_layers), codes
 
     def chunks(self, weights: Any, x: Any) -> list[Chunk]:
@@ -411,9 +364,8 @@ class Pipeline:
         logical = self.staged.activation_names
         lay_out = (lambda x: constrain(x, (None, *logical))) if logical else (lambda x: x)  # noqa: E731
         weights = jax.tree.map(lambda a: a[0], stacked)  # this device's [chunk, layer, ...]
-        if self.rank_programs:  # this data position's microbatches and schedule
-            micro = jax.tree.map(lambda m: m[0], micro)
-            table = table[jax.lax.axis_index(self.spec.data_axis)]
+        if self.positions:  # this data position's microbatches and schedule
+            micro, table = self.positions.own(micro, table)
         x = jnp.zeros(x_abstract.shape, x_abstract.dtype)
         device = _Device(
             weights=weights,
@@ -423,16 +375,10 @@ class Pipeline:
             lay_out=lay_out,
             replicate=replicate,
         )
-        slots = max(p.slots for p in self.rank_programs or (self.program,))
-        n, chunk = slots + 1, device.chunks[0]  # the last slot is spare: what no slot keeps goes there
+        n = (self.positions or self.program).slots + 1  # the last slot is spare: what no slot keeps goes there
         # B hands values to W only in schedules that split the backward.
         split = any(a.kind == "W" for row in self.schedule.actions for a in row)
-        slots = _Slots(
-            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
-            lay_out(jnp.zeros((n, *x.shape), x.dtype)),
-            tuple(zeros(k.update(shape=(n, *k.shape))) for k in chunk.kept),  # offloaded ones on the host
-            tuple(jnp.zeros((n, *c.shape), c.dtype) for c in chunk.carried) if split else (),
-        )
+        slots = _Slots.empty(n, x, device.chunks[0], split, lay_out)
         zeros_like = functools.partial(jax.tree.map, jnp.zeros_like)
         init = (slots, zeros_like(device.weights), replicate(zeros_like(outer)), jnp.zeros((), jnp.float32))
         rows = table[:, jax.lax.axis_index(axis)]
@@ -442,12 +388,8 @@ class Pipeline:
         loss, grad_outer = jax.lax.psum((loss, grad_outer), axis)
         if data_axes:  # one reduction of everything, as data parallelism makes
             loss, grad_outer, grad_w = jax.lax.psum((loss, grad_outer, grad_w), data_axes)
-        return (
-            loss,
-            jax.tree.map(lambda g: g[None], grad_w),
-            grad_outer,
-            codes[None, None] if self.rank_programs else codes[None],
-        )
+        codes = codes[None, None] if self.positions else codes[None]  # [data position,] stage device, tick
+        return loss, jax.tree.map(lambda g: g[None], grad_w), grad_outer, codes
 
 
 class _Tick:
@@ -562,6 +504,21 @@ def _tick(engine: Pipeline, device: _Device, carry: tuple, row: jax.Array) -> tu
         grads = _store(grads, jnp.where(is_grad, at, -1), value)
     slots = slots._replace(inputs=device.lay_out(inputs), grads=device.lay_out(grads))
     return (slots, grad_w, grad_outer, loss), code
+
+
+def _even_microbatches(batch: Any, m: int) -> Any:
+    """``[microbatch, rows, ...]``: row ``r = i·m + k`` goes to microbatch ``k``, so each device's batch shard
+    splits locally, with no exchange."""
+
+    def split(x: jax.Array) -> jax.Array:
+        if x.shape[0] % m:
+            raise ScheduleError(
+                f"pipeline: batch of {x.shape[0]} rows cannot be split into {m} microbatches; make the batch "
+                f"a multiple of {m}"
+            )
+        return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
 
 
 def _by_depth(chunks: list[Chunk], branch: jax.Array, name: str, *args: Any) -> Any:
