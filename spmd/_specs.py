@@ -96,11 +96,15 @@ class PipelineSpec(ExecutionSpec):
         if self.data_schedules is None:
             return
         s = self.schedule
+        if not self.data_schedules:
+            raise ValueError(f"pipeline: data_schedules is empty; give one schedule per {self.data_axis} position")
         for i, d in enumerate(self.data_schedules):
-            if (d.stages, d.virtual, d.placement) != (s.stages, s.virtual, s.placement):
+            # One kind of schedule everywhere: the program's slots and branches are the plan's schedule's.
+            if (d.name, d.stages, d.virtual, d.placement) != (s.name, s.stages, s.virtual, s.placement):
                 raise ValueError(
-                    f"pipeline: the schedule of {self.data_axis} position {i} runs {d.stages} stages × {d.virtual} "
-                    f"chunks ({d.placement}), the plan's {s.stages} × {s.virtual} ({s.placement}); every data "
+                    f"pipeline: the schedule of {self.data_axis} position {i} is {d.name} on {d.stages} stages × "
+                    f"{d.virtual} chunks ({d.placement}), the plan's {s.name} on {s.stages} × {s.virtual} "
+                    f"({s.placement}); every data "
                     f"position runs the plan's pipeline, with its own number of microbatches"
                 )
 

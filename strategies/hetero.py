@@ -379,7 +379,9 @@ def summary(
     out: dict[str, Any] = {}
     spec = plan.execution
     if isinstance(spec, PipelineSpec):
-        layers = tuple(layers_per_stage or spec.layers_per_stage or ())
+        # Layers per global stage; none given (chunks that loop over the stages) means an even split, which the
+        # times below see only as each stage's share.
+        layers = tuple(layers_per_stage or spec.layers_per_stage or (1,) * spec.schedule.total_stages)
         total = sum(layers)
         even = (total // len(layers),) * len(layers) if total % len(layers) == 0 else layers
         # One layer's F, B or W for one microbatch on one device: a device's FLOPs (the busiest data

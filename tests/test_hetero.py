@@ -219,6 +219,31 @@ def test_a_pipeline_data_position_without_a_microbatch_is_refused_naming_it(caps
         hetero.rank_microbatches(table, Profile.from_speeds([2, 1] * 2), {"stage": 2, "data": 2})
 
 
+def test_data_schedules_must_be_the_plans_schedule_and_loop_chunks_are_priced():
+    """A position's schedule of another kind would leave the program without its W slots: refused. An
+    interleaved pipeline (even layers, chunks looping over the stages) with data schedules is priced."""
+    import strategies
+    from strategies.pipeline import pipeline_schedule
+
+    spec = strategies.pipeline("1f1b", stages=2, microbatches=2).execution
+    other = (pipeline_schedule("zb-h1", stages=2, microbatches=3), pipeline_schedule("1f1b", stages=2, microbatches=1))
+    with pytest.raises(ValueError, match=r"position 0 is zb-h1 .* the plan's 1f1b"):
+        spmd.execution.PipelineSpec("stage", spec.schedule, data_schedules=other)
+    with pytest.raises(ValueError, match="data_schedules is empty"):
+        spmd.execution.PipelineSpec("stage", spec.schedule, data_schedules=())
+    sizes, profile = {"stage": 2, "data": 2}, Profile.from_speeds([2, 1] * 2)
+    plan = strategies.pipeline("interleaved", stages=2, microbatches=4, virtual=2) + strategies.data_parallel()
+    model = models.get("gpt-tiny", layers=4)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    plan = hetero.apply_profile(
+        plan, sizes, profile, params=params, workload=costmodel.Workload(32, 32), optimizer=optax.sgd(0.1)
+    )
+    assert plan.execution.rank_microbatches == (6, 2) and plan.execution.layers_per_stage is None
+    step = costmodel.StepTime(compute_s=1.0, comm_s=0.0, hardware="cpu")
+    s = hetero.summary(plan, sizes, profile, 32, 1e9, step)
+    assert s["rank_microbatches"] == [6, 2] and 1 < s["simulated_speedup"] <= s["ideal_speedup"] == 1.5
+
+
 @pytest.mark.slow  # shares and their caps are checked through the API in the default tier
 def test_cli_plan_json_and_memory(capsys, tmp_path):
     args = ["plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "56", "--json"]
