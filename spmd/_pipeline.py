@@ -163,7 +163,7 @@ class Pipeline:
         spec: PipelineSpec,
         mesh: Mesh,
         layers: int,
-        data_axes: Sequence[str] = (),
+        data_axes: Sequence[str] | None = None,
         remat: Remat = Remat(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         if spec.axis not in mesh.shape:
@@ -173,14 +173,14 @@ class Pipeline:
                 f"pipeline: schedule {spec.schedule.name} is for {spec.schedule.stages} stages but mesh axis "
                 f"{spec.axis!r} has {mesh.shape[spec.axis]} devices"
             )
-        self.staged, self.spec, self.mesh, self.data_axes = staged, spec, mesh, tuple(data_axes)
+        self.staged, self.spec, self.mesh, self.data_axes = staged, spec, mesh, tuple(data_axes or ())
         self.remat = remat  # each layer's, inside every chunk: what F keeps and B or W recompute
         counts = split_layers(layers, spec.schedule.total_stages, spec.layers_per_stage)
         self.placement = Placement(spec.schedule, counts)
         # With uneven data shares each data position runs its own schedule; the figures are the busiest's.
         self.schedule = spec.busiest
         self.program = tick_program(self.schedule, self.placement)
-        self.positions = DataPositions.of(spec, mesh, self.placement)
+        self.positions = DataPositions.of(spec, mesh, self.placement, data_axes)
 
     # -- parameter layout ---------------------------------------------------------------------------------
     def stack(self, params: Any) -> Any:
@@ -229,8 +229,9 @@ class Pipeline:
 
     @property
     def branch_weights(self) -> dict[str, tuple[float, ...]]:
-        """How often each branch of the program's switches runs, on the average device: the tick's (idle, F, B,
-        W, BW; the same on every device, since each runs every microbatch of each of its chunks once), the
+        """How often each branch of the program's switches runs, per device: the tick's (idle, F, B, W, BW; the
+        same on every device of a position, since each runs every microbatch of each of its chunks once; where
+        data positions run their own schedules, the busiest position's, padded as executed), the
         loss's and the embedding's (on one stage of ``p·v``) and the stage depths' (by their share of stages).
 
         >>> import spmd, strategies
@@ -240,7 +241,7 @@ class Pipeline:
         >>> weights[TICK_SCOPE], weights[HEAD_SCOPE], weights[DEPTH_SCOPE]  # 4 F and 4 BW in 10 ticks
         ((0.2, 0.4, 0.0, 0.0, 0.4), (0.5, 0.5), (0.5, 0.5))
         """
-        kinds = self.program.table[:, 0, 0]  # the busiest data position's, where they run their own schedules
+        kinds = (self.positions.busiest() if self.positions else self.program.table)[:, 0, 0]
         stages = self.spec.schedule.total_stages
         one_stage = (1 - 1 / stages, 1 / stages)  # a cond's branches: (false, true)
         depths = tuple(self.placement.counts.count(k) / stages for k in self.placement.branches)
@@ -263,7 +264,7 @@ class Pipeline:
             return matmul_flops(hlo_text, branch_weights={**weights, TICK_SCOPE: taken})
 
         none = program(None)
-        return {kind: (program(code) - none) / self.program.ticks for kind, code in CODES.items()}
+        return {kind: (program(code) - none) / (self.positions or self.program).ticks for kind, code in CODES.items()}
 
     def _microbatches(self, batch: Any) -> Any:
         if self.positions:
@@ -315,8 +316,8 @@ class Pipeline:
             "lockstep_makespan": float(lockstep.makespan),
             "peak_inflight": list(timeline.peak_inflight),
             "peak_held": list(timeline.peak_held),
-            "ticks": self.program.ticks,
-            "slots": self.program.slots,
+            "ticks": (self.positions or self.program).ticks,  # as executed: the longest position's
+            "slots": (self.positions or self.program).slots,
         }
 
     def _run(self, params: Any, batch: Any) -> tuple[jax.Array, Any, jax.Array]:
@@ -569,13 +570,6 @@ def pipeline_executor(spec: PipelineSpec, task: Task) -> Executor:
         warnings.simplefilter("ignore", PlanWarning)
         split = task.plan.resolve(stacked, task.mesh).leaves
     data_axes = _manual_axes(task.plan, split, task.mesh)
-    if spec.data_schedules is not None and data_axes != (spec.data_axis,):
-        raise PlanError(
-            f"pipeline: the positions of {spec.data_axis!r} run their own schedules, so the program must run "
-            f"manual over {spec.data_axis!r} alone (it would over {list(data_axes)}): split no parameter over "
-            f"{spec.data_axis!r} (FSDP over an axis of its own), and make it the only other batch axis that "
-            f"splits no parameter"
-        )
     engine = Pipeline(task.staged, spec, task.mesh, layers, data_axes=data_axes, remat=task.plan.remat)
     return Executor(
         engine.value_and_grad,
@@ -673,13 +667,14 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
     outer = sum(r.bytes_per_device for r in rows if not r.path.startswith(prefix))
     share = _deepest_chunk(engine, layout, batch).split.weight_grad_weight_share
     traffic = data_parallel_traffic(layout, plan, sizes, stage_uses=engine.weight_uses(share))
-    traffic += pipeline_traffic(engine.program.ticks, message, outer, engine.spec.axis, sizes)
+    executed = engine.positions or engine.program  # the longest data position's ticks, the most slots
+    traffic += pipeline_traffic(executed.ticks, message, outer, engine.spec.axis, sizes)
     slot, backward = _slot_bytes(engine, plan, layout, batch, workload)
     # While a tick runs: the switch's outputs (F's residuals, B's values for W) and a branch's copy of what it
     # reads of its slot, about twice what a chunk's backward uses; and the chunk's FSDP-gathered layers.
     working = 2 * backward + pipeline_gathered_bytes(layout.params.leaves, plan, sizes) / schedule.virtual
     on_device = sum(slot[k] for k in ("inputs", "grads", "kept", "carried"))
-    kept = (engine.program.slots + 1) * on_device + int(working)  # the spare slot too
+    kept = (executed.slots + 1) * on_device + int(working)  # the spare slot too
     # The executor runs in lock-step: each tick lasts as long as its dearest action (F, B and W cost alike).
     lockstep = simulate_lockstep(schedule)
     bubble = float(lockstep.makespan / max(lockstep.busy))
@@ -697,7 +692,7 @@ def _costs(engine: Pipeline, plan: Any, layout: StateLayout, batch: Any, workloa
         note,
         compute_factor=bubble,
         flops=layers + head / sizes[engine.spec.axis],
-        host_activation_bytes=(engine.program.slots + 1) * slot["offloaded"],
+        host_activation_bytes=(executed.slots + 1) * slot["offloaded"],
         host_traffic=_host_transfers(schedule, slot),
     )
 

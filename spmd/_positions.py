@@ -10,6 +10,7 @@ exchanges stay within a position's stages, and the gradients reduce over the dat
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -47,26 +48,46 @@ class DataPositions:
     programs: tuple[TickProgram, ...]
 
     @classmethod
-    def of(cls, spec: PipelineSpec, mesh: Mesh, placement: Placement) -> DataPositions | None:
-        """The positions of ``spec``'s data schedules on ``mesh`` (None: every position runs the plan's)."""
+    def of(
+        cls, spec: PipelineSpec, mesh: Mesh, placement: Placement, manual: Sequence[str] | None = None
+    ) -> DataPositions | None:
+        """The positions of ``spec``'s data schedules on ``mesh`` (None: every position runs the plan's).
+        ``manual``: the batch axes the program runs manual over (those that split no parameter), when known;
+        a position can only run its own schedule if that is its data axis alone."""
         if spec.data_schedules is None:
             return None
-        positions = mesh.shape.get(spec.data_axis, 0)
-        if len(spec.data_schedules) != positions:
+        axis = spec.data_axis
+        if axis not in mesh.shape:
             raise PlanError(
-                f"pipeline: {len(spec.data_schedules)} schedules for the positions of {spec.data_axis!r}, which "
-                f"has {positions} on this mesh; give one per position"
+                f"pipeline: {len(spec.data_schedules)} data schedules for the positions of {axis!r}, and the mesh "
+                f"has no axis {axis!r} ({dict(mesh.shape)}); add it to the mesh, or drop data_schedules"
             )
+        if len(spec.data_schedules) != mesh.shape[axis]:
+            raise PlanError(
+                f"pipeline: {len(spec.data_schedules)} data schedules for the positions of {axis!r}, which has "
+                f"{mesh.shape[axis]} on this mesh; give one per position"
+            )
+        if manual is not None and tuple(manual) != (axis,):
+            raise PlanError(_manual_message(axis, tuple(manual)))
         programs = tuple(tick_program(s, placement) for s in spec.data_schedules)
-        return cls(spec.data_axis, spec.rank_microbatches, programs)
+        return cls(axis, spec.rank_microbatches, programs)
 
     @property
     def slots(self) -> int:
         return max(p.slots for p in self.programs)
 
+    @property
+    def ticks(self) -> int:
+        """The executed program's ticks: the longest position's (the others idle to the end)."""
+        return max(p.ticks for p in self.programs)
+
+    def busiest(self) -> np.ndarray:
+        """``[tick, device, field]``: the padded tick table of the position with the most microbatches."""
+        return self.table()[self.counts.index(max(self.counts))]
+
     def table(self) -> np.ndarray:
         """``[data position, tick, device, field]``, each position's program padded with idle ticks."""
-        ticks = max(p.ticks for p in self.programs)
+        ticks = self.ticks
         idle = np.zeros(self.programs[0].table.shape[1:], np.int32)
         for route in ROUTES:
             idle[:, FIELDS.index(f"{route}_slot")] = -1  # nothing arrives
@@ -100,3 +121,19 @@ class DataPositions:
     def own(self, micro: Any, table: jax.Array) -> tuple[Any, jax.Array]:
         """Inside the program (manual over ``axis``): this position's microbatches and tick table."""
         return jax.tree.map(lambda m: m[0], micro), table[jax.lax.axis_index(self.axis)]
+
+
+def _manual_message(axis: str, manual: tuple[str, ...]) -> str:
+    """Why a program manual over ``manual`` cannot run a schedule per position of ``axis``, and the fix."""
+    if axis not in manual:
+        return (
+            f"pipeline: the positions of {axis!r} run their own schedules, each with its own microbatches, which "
+            f"needs the parameters whole along {axis!r}, and the plan splits them over it (ZeRO-3 or FSDP over "
+            f"{axis!r}); split them over an axis of their own (FSDP over 'fsdp'), or give no data schedules"
+        )
+    others = [a for a in manual if a != axis]
+    return (
+        f"pipeline: the positions of {axis!r} run their own schedules, and the batch is also split over "
+        f"{others}, which split no parameter either; make {axis!r} the only such batch axis (merge them into it), "
+        f"or give no data schedules"
+    )

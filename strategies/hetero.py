@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from spmd import Plan, costmodel, format_bytes, resolve_state
+from spmd import Plan, PlanWarning, costmodel, format_bytes, resolve_state
 from spmd import axes as A
 from spmd.costmodel import StepTime
 from spmd.devices import Profile
@@ -212,8 +213,9 @@ def rank_microbatches(
 ) -> tuple[Schedule, ...]:
     """One schedule per position along ``axis`` for a pipeline whose data positions run their own: the
     ``schedule``'s microbatches times the positions, split in proportion to each position's speed (its slowest
-    device's) into microbatches of one size. A position's memory holds as many microbatches in flight as the
-    schedule keeps (1F1B's at most the stages), so the memory caps do not bind here.
+    device's) into microbatches of one size. Memory caps are not applied: a position keeps as many
+    microbatches' activations in flight as its schedule does (1F1B and the zero-bubble schedules at most about
+    the stages, whatever the count; GPipe and breadth-first all of their own, so a fast position holds more).
 
     >>> from strategies.pipeline import pipeline_schedule
     >>> s = pipeline_schedule("1f1b", stages=2, microbatches=4)
@@ -225,7 +227,7 @@ def rank_microbatches(
         raise ValueError(
             f"the data positions of a pipeline take microbatches by their speeds, each running the schedule "
             f"with its own count, and the table {schedule.name!r} fixes its microbatches; use a named schedule "
-            f"({', '.join(SCHEDULES)}) or pass --even"
+            f"({', '.join(SCHEDULES)}), or keep the data positions even (--even)"
         )
     # Interleaved schedules run their microbatches in rounds of the stages.
     unit = schedule.stages if schedule.name == "interleaved" else 1
@@ -236,8 +238,8 @@ def rank_microbatches(
         least = unit * math.ceil(sum(speeds) / (min(speeds) * len(speeds)))
         raise ValueError(
             f"{_named(mesh_axes, axis, i)} gets no microbatch of the pipeline's {schedule.microbatches} per data "
-            f"position (split {[unit * c for c in counts]} by speeds {list(speeds)}); give at least "
-            f"--microbatches {least}, or leave the device out of the mesh"
+            f"position (split {[unit * c for c in counts]} by speeds {list(speeds)}); give the pipeline at "
+            f"least {least} microbatches (--microbatches {least}), or leave the device out of the mesh"
         )
     return tuple(
         pipeline_schedule(schedule.name, stages=schedule.stages, microbatches=unit * c, virtual=schedule.virtual)
@@ -261,6 +263,8 @@ def kind_order(profile: Profile, mesh_axes: Mapping[str, int], *, outer: str | N
     runs = sorted(range(len(profile.devices)), key=lambda i: (first_seen[profile.kinds[i]], i))
     names = list(mesh_axes)
     outer = outer or names[0]
+    if outer not in mesh_axes:
+        raise ValueError(f"kind_order: outer={outer!r} is not an axis of the mesh {dict(mesh_axes)}; name one of them")
     # Lay the runs out with ``outer`` first, then put the axes back in the mesh's order.
     order = [outer] + [a for a in names if a != outer]
     grid = np.array(runs).reshape(tuple(mesh_axes[a] for a in order))
@@ -364,11 +368,14 @@ def summary(
     modelled: StepTime,
     layers_per_stage: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """What a profile changes for ``plan``: its ``batch_shares`` (None when even) or ``layers_per_stage``, the
-    modelled step time of the even and of the uneven split, the speedup and the ideal Σs / (N · min s).
+    """What a profile changes for ``plan``: its ``batch_shares`` (None when even), or a pipeline's
+    ``layers_per_stage`` and ``rank_microbatches`` (its data positions' microbatches; None when each runs the
+    plan's schedule), the modelled step time of the even and of the uneven split (communication added to
+    both), the speedup and the ideal Σs / (N · min s).
 
     ``flops_per_device`` and ``modelled`` are the cost model's figures for the plan at the fastest device's speed
-    (``spmd.report`` or ``costmodel.estimate``); a device's speed scales its compute.
+    (``spmd.report`` or ``costmodel.estimate``; for a pipeline whose data positions run their own schedules, a
+    device of the busiest position); a device's speed scales its compute.
 
     >>> plan, profile = uneven_data_parallel((12, 4, 4, 4)), Profile.from_speeds([3, 1, 1, 1])
     >>> s = summary(plan, {"data": 4}, profile, 24, 1e9, StepTime(compute_s=1.0, comm_s=0.0, hardware="cpu"))
@@ -417,7 +424,8 @@ def profiled_step_time(
 ) -> float:
     """``plan``'s modelled step on the devices of ``profile``, from the cost model's ``estimate`` (priced at the
     fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares or a pipeline
-    with layers per stage; otherwise every device does the same work, and the slowest paces the step.
+    with layers per stage or data schedules; otherwise every device does the same work, and the slowest paces
+    the step.
 
     >>> import jax, optax
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
@@ -467,6 +475,7 @@ def apply_profile(
         if mesh_axes.get("data", 1) > 1 and "data" in plan.batch_axes:
             speeds = rank_speeds(profile, mesh_axes, "data")
             if len(set(speeds)) > 1:  # each data position runs its own pipeline, with microbatches by its speed
+                _require_whole_over_data(plan, params, mesh_axes)
                 spec = dataclasses.replace(spec, data_schedules=rank_microbatches(spec.schedule, profile, mesh_axes))
         return dataclasses.replace(plan, execution=spec)
     if "data" not in plan.batch_axes or mesh_axes.get("data", 1) == 1:
@@ -501,6 +510,22 @@ def apply_profile(
         granularity=microbatch * within,
     )
     return plan + uneven_data_parallel(shares)
+
+
+def _require_whole_over_data(plan: Plan, params: Any, mesh_axes: Mapping[str, int]) -> None:
+    """A pipeline's data positions of different speeds run their own schedules, with the parameters whole along
+    ``data``: refuse a plan that splits them over it, naming the first array it splits."""
+    with warnings.catch_warnings():  # the step resolves the layout again, and warns there
+        warnings.simplefilter("ignore", PlanWarning)
+        rows = plan.resolve(params, mesh_axes).leaves
+    split = next((r for r in rows if "data" in r.axes), None)
+    if split is not None:
+        raise ValueError(
+            f"the pipeline's data positions differ in speed, so each runs its own schedule with the parameters "
+            f"whole along 'data', and the plan splits {split.path} over 'data' (ZeRO-3 or FSDP over data); "
+            f"split the parameters over an axis of their own (pp+dp+fsdp on stage, data and fsdp), or keep "
+            f"the data positions even (--even)"
+        )
 
 
 def _stacked_layers(params: Any) -> int:

@@ -244,6 +244,67 @@ def test_data_schedules_must_be_the_plans_schedule_and_loop_chunks_are_priced():
     assert s["rank_microbatches"] == [6, 2] and 1 < s["simulated_speedup"] <= s["ideal_speedup"] == 1.5
 
 
+def test_data_positions_need_the_parameters_whole_over_data_and_a_data_axis(capsys):
+    """Data positions of different speeds run their own schedules with the parameters whole along data: a
+    plan splitting them over it (pp+zero3) is refused with one line naming an array it splits, through the API
+    and the command line; a spec whose data axis is not on the mesh, or a program manual over other axes too,
+    are refused by the engine, each with its own fix."""
+    import strategies
+    from spmd._pipeline import Pipeline, pipeline_executor
+    from spmd._positions import DataPositions
+    from spmd.execution import Task
+    from strategies.pipeline import pipeline_schedule
+
+    model = models.get("gpt-tiny", layers=2)
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    sizes, profile = {"stage": 2, "data": 4}, Profile.from_speeds([3, 1, 1, 2] * 2)
+    zero3 = strategies.pipeline("1f1b", stages=2, microbatches=4) + strategies.zero3()
+    with pytest.raises(ValueError, match=r"splits params/\S+ over 'data' \(ZeRO-3 or FSDP over data\)"):
+        hetero.apply_profile(
+            zero3, sizes, profile, params=params, workload=costmodel.Workload(32, 32), optimizer=optax.sgd(0.1)
+        )
+    code, _, err = run_cli(
+        capsys, "plan", "--model", "gpt-tiny", "--mesh", "stage=2,data=4", "--strategy", "pp+zero3",
+        "--device-speeds", "3,1,1,2,3,1,1,2", "--batch-size", "32",
+    )  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "over an axis of their own" in err, err
+    # The same spec by hand: the executor's engine refuses the program, naming the cause.
+    schedules = tuple(pipeline_schedule("1f1b", stages=2, microbatches=m) for m in (7, 2, 2, 5))
+    spec = spmd.execution.PipelineSpec("stage", zero3.execution.schedule, data_schedules=schedules)
+    task = Task(None, spmd.Plan(batch_axes=zero3.batch_axes, parts=zero3.parts, execution=spec),
+                spmd.make_mesh(sizes), params, staged=model.staged)  # fmt: skip
+    with pytest.raises(spmd.PlanError, match="needs the parameters whole along 'data', and the plan splits them"):
+        pipeline_executor(spec, task)
+    with pytest.raises(spmd.PlanError, match=r"also split over \['fsdp'\]"):
+        Pipeline(None, spec, spmd.make_mesh(sizes), layers=2, data_axes=("data", "fsdp"))
+    with pytest.raises(spmd.PlanError, match="the mesh has no axis 'data'"):
+        Pipeline(None, spec, spmd.make_mesh({"stage": 2, "fsdp": 4}), layers=2)
+    # The executed program's ticks and slots are the longest position's, padded; the figures say so.
+    engine = Pipeline(None, spec, spmd.make_mesh(sizes), layers=2, data_axes=("data",))
+    assert isinstance(engine.positions, DataPositions)
+    figures = engine.figures()
+    assert figures["ticks"] == engine.positions.table().shape[1] == engine.positions.ticks
+    assert figures["slots"] == max(p.slots for p in engine.positions.programs)
+
+
+def test_a_pipeline_keeps_the_order_given_unless_its_inner_groups_mix_kinds():
+    """Devices of one kind together for plans other than pipelines; a pipeline keeps the order given where its
+    tensor groups are of one kind, and otherwise gives each data position devices of one kind."""
+    from spmd.cli.setup import _kind_order
+
+    sizes = {"stage": 2, "data": 2, "tensor": 2}
+    kept = Profile.from_speeds([2, 2, 1, 1, 2, 2, 1, 1])  # each tensor pair one kind already
+    assert _kind_order(kept, sizes, pipelined=True) == tuple(range(8))
+    mixed = Profile.from_speeds([2, 1, 2, 1, 2, 1, 2, 1])  # every tensor pair mixes the kinds
+    order = _kind_order(mixed, sizes, pipelined=True)
+    grid = np.array(mixed.reordered(order).speeds).reshape(2, 2, 2)
+    assert all(len(set(grid[:, d].ravel())) == 1 for d in range(2)), grid  # one kind per data position
+    assert _kind_order(mixed, {"stage": 2, "data": 4}, pipelined=True) == tuple(range(8))  # no inner groups
+    assert _kind_order(mixed, sizes, pipelined=False) == hetero.kind_order(mixed, sizes)
+    with pytest.raises(ValueError, match="outer='dta' is not an axis of the mesh"):
+        hetero.kind_order(mixed, sizes, outer="dta")
+
+
 @pytest.mark.slow  # shares and their caps are checked through the API in the default tier
 def test_cli_plan_json_and_memory(capsys, tmp_path):
     args = ["plan", "--model", "gpt-tiny", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "56", "--json"]
