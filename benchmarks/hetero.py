@@ -5,7 +5,9 @@
 For clusters of 8 devices — 4 fast + 4 slow at 2:1 and at 3:1, and three kinds at 4:2:1 — it plans data
 parallelism (data=8: batch shares), FSDP (data=4 × fsdp=2: shares per data rank, each split over its fsdp pair)
 and a pipeline two ways (stage=4 × data=2, 1F1B: layers per stage; stage=2 × data=4 with the devices of a kind
-on one data position's stages: microbatches per data position), and prints the modelled step time of the even plan
+on one data position's stages: microbatches per data position), tensor parallelism with each tensor pair a fast
+and a slow device (data=4 × tensor=2: heads and hidden units per tensor position by its speed, HAP's uneven
+sharding), and prints the modelled step time of the even plan
 and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s). Then the planner's pick
 (``strategies.suggest.rank`` with the profile, every composition of up to 2-way tensor parallelism) against the
 best even plan on the same devices, which the slowest device paces. Nothing is compiled: the plans are laid out
@@ -54,7 +56,10 @@ def main() -> None:
 
     def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
         mesh = spmd.make_mesh(axes)
-        step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, mesh, params=abstract, staged=model.staged)
+        step = spmd.TrainStep(
+            models.loss_fn(model), optimizer, plan, mesh, params=abstract, staged=model.staged,
+            narrow=lambda sizes: models.loss_fn(models.narrowed(model, sizes)),
+        )  # fmt: skip
         layout = step.layout
         flops = costmodel.flops_per_device(layout.params.leaves, plan, axes, workload)
         traffic = costmodel.traffic(layout, plan, axes, workload)
@@ -91,12 +96,24 @@ def main() -> None:
         )
         step, flops, modelled = priced(ranks_plan, columns)
         ranks = hetero.summary(ranks_plan, columns, placed, args.batch_size, flops, modelled)
+        # Uneven tensor parallelism: each tensor pair mixes a fast device with a slow one.
+        tp_axes = {"data": 4, "tensor": 2}
+        mixed = profile.reordered((0, 4, 1, 5, 2, 6, 3, 7))
+        tp_plan = hetero.apply_profile(
+            strategies.from_names("dp+tp", tp_axes), tp_axes, mixed, params=abstract, workload=workload,
+            optimizer=optimizer,
+        )  # fmt: skip
+        _, flops, modelled = priced(tp_plan, tp_axes)
+        at = hetero.tensor_position_flops(tp_plan, abstract, tp_axes, workload)
+        tp = hetero.summary(tp_plan, tp_axes, mixed, args.batch_size, flops, modelled, tensor_flops=at)
+        units = ", ".join(f"{n} {u}" for n, u in tp["tensor_units"].items())
         picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile)
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
             ("dp+fsdp, data=4 × fsdp=2", *picked(("dp+fsdp", {"data": 4, "fsdp": 2}))),
             ("pp+dp, stage=4 × data=2", pp, f"layers {pp['layers_per_stage']}"),
             ("pp+dp, stage=2 × data=4", ranks, f"microbatches per data position {ranks['rank_microbatches']}"),
+            ("dp+tp, data=4 × tensor=2, pairs mixed", tp, f"tensor units {units}"),
             ("planner's pick", *picked()),
         ):
             t = info["simulated_step_time"]

@@ -30,6 +30,7 @@ from spmd._remat import Remat, rematerialise
 from spmd._report import Report, report
 from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
+from spmd._tensor_shares import unit_sum
 from spmd._train import TrainState, TrainStep, shard
 from spmd._tree import unbox
 
@@ -72,6 +73,7 @@ __all__ = [
     "restore_sequence",
     "rules",
     "sequence_positions",
+    "unit_sum",
     "shard",
     "unbox",
 ]

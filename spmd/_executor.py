@@ -102,6 +102,9 @@ class Executor(NamedTuple):
     - ``branch_weights``: for named scopes of switches in the compiled program, how often each branch runs,
       and for a named loop whose bound each device reads for itself, one weight: the busiest device's trip
       count (the report weighs the collectives and FLOPs inside by them);
+    - ``position_weights``: for a mode that gives the positions of its axis uneven work, one set of branch
+      weights per position, with which the compiled counts are that position's own (the report's
+      ``compiled_flops_by_position``: a slow device's fewer units or iterations);
     - ``engine``: the object implementing the mode, for inspection (a pipeline's tick table, say).
 
     Everything but ``value_and_grad`` has a default, so plain differentiation is one line:
@@ -123,6 +126,7 @@ class Executor(NamedTuple):
     costs: Callable[[StateLayout, Any, Workload], Contribution] = _no_costs
     summary: Callable[[StateLayout, Any], Summary | None] = _no_summary
     branch_weights: Mapping[str, tuple[float, ...]] = types.MappingProxyType({})
+    position_weights: tuple[Mapping[str, tuple[float, ...]], ...] = ()
     engine: Any = None
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -89,6 +90,8 @@ class Report:
     activation_note: str = "activations kept for backward"
     data_parallel: Report | None = None
     compiled_flops: float | None = None  # matmul FLOPs per device per step, read from the compiled HLO
+    # Where the execution mode gives its axis's positions uneven work: each position's compiled FLOPs.
+    compiled_flops_by_position: tuple[float, ...] | None = None
     model_flops: float | None = None  # 6·N·T per device per step (costmodel.model_flops over the devices)
     layout_known: bool = True  # False: a step of your own reported without params= (see :func:`report`)
 
@@ -146,6 +149,9 @@ class Report:
             "analytic_memory": self.analytic_memory,
             "flops_per_device": self.flops_per_device,
             "compiled_flops_per_device": self.compiled_flops,
+            "compiled_flops_by_position": None
+            if self.compiled_flops_by_position is None
+            else list(self.compiled_flops_by_position),
             "model_flops_per_device": self.model_flops,
             "modelled_step_time": None if self.modelled_step_time is None else self.modelled_step_time.to_dict(),
             "execution": None if self.execution is None else self.execution.kind,
@@ -270,7 +276,7 @@ def _report_step(step: TrainStep, batch: Any, workload: Any, hardware: Any) -> R
     return _join(
         step.plan, plan, step.mesh, step.compile(batch), batch, side, workload, known, hardware,
         branch_weights={**ex.branch_weights, **context_weights(step.plan, step.mesh)},
-        execution=ex.summary(step.layout, batch), said=said,
+        execution=ex.summary(step.layout, batch), said=said, positions=ex.position_weights,
     )  # fmt: skip
 
 
@@ -381,9 +387,12 @@ def _join(
     branch_weights: Any = None,
     execution: Summary | None = None,
     said: tuple[str, ...] = (),
+    positions: Sequence[Any] = (),
 ) -> Report:
-    """The three views joined: ``asked`` is the plan as given, ``plan`` as the program carries it out."""
+    """The three views joined: ``asked`` is the plan as given, ``plan`` as the program carries it out;
+    ``positions``: per position of an uneven mode's axis, the branch weights that make the counts its own."""
     text = compiled.as_text()
+    by_position = tuple(matmul_flops(text, branch_weights={**(branch_weights or {}), **w}) for w in positions)
     compiled_memory = memory_of(compiled)
     inventory = tuple(collectives(text, mesh, branch_weights=branch_weights))
     out = Report(
@@ -397,6 +406,7 @@ def _join(
         warnings=(),
         flops_per_device=None,
         compiled_flops=matmul_flops(text, branch_weights=branch_weights),
+        compiled_flops_by_position=by_position or None,
         execution=execution,
         layout_known=side is not None,
     )

@@ -143,4 +143,9 @@ def uneven_executor(spec: Shares, task: Task) -> Executor:
     # The compiled program's FLOPs and collectives are the busiest device's: its loop runs the most iterations.
     busiest = {LOOP_SCOPE: (float(spec.iterations),)}
     # Any batch size: the shares, not an even split, place its examples.
-    return Executor(engine.value_and_grad, splits_batch=False, keyed=True, engine=engine, branch_weights=busiest)
+    # Each rank's own counts: its loop's iterations.
+    ranks = tuple({LOOP_SCOPE: (float(n),)} for n in spec.loops)
+    return Executor(
+        engine.value_and_grad, splits_batch=False, keyed=True, engine=engine, branch_weights=busiest,
+        position_weights=ranks,
+    )  # fmt: skip

@@ -22,7 +22,16 @@ from spmd._schedule import Schedule
 if TYPE_CHECKING:
     from spmd._executor import Executor, Task
 
-__all__ = ["GRANULARITIES", "MASKINGS", "ExecutionSpec", "PipelineSpec", "Shares", "SimulatedSubnets", "SubnetSpec"]
+__all__ = [
+    "GRANULARITIES",
+    "MASKINGS",
+    "ExecutionSpec",
+    "PipelineSpec",
+    "Shares",
+    "SimulatedSubnets",
+    "SubnetSpec",
+    "TensorShares",
+]
 
 
 class ExecutionSpec:
@@ -31,7 +40,8 @@ class ExecutionSpec:
     ``source`` names the mode in errors; ``splits_state`` says whether the mode itself splits part of the
     training state over its axes (a plan then does not describe its parameters as replicated);
     ``takes_context`` whether context parallelism's grouped collectives (all-gathers, all-to-alls over the
-    context axis) complete inside its per-device branches (see :func:`spmd._context_parallel.context_part`).
+    context axis) complete inside its per-device branches (see :func:`spmd._context_parallel.context_part`);
+    ``splits_units`` whether the model's unit blocks (:func:`spmd.unit_sum`) run each device's own units.
 
     >>> import dataclasses, jax
     >>> from spmd.execution import Executor
@@ -46,6 +56,7 @@ class ExecutionSpec:
     source: ClassVar[str] = "execution"
     splits_state: ClassVar[bool] = False
     takes_context: ClassVar[bool] = False
+    splits_units: ClassVar[bool] = False
 
     def describe(self) -> str:
         """A few words for the plan's description."""
@@ -185,6 +196,54 @@ class Shares(ExecutionSpec):
         from spmd._shares import uneven_executor
 
         return uneven_executor(self, task)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShares(ExecutionSpec):
+    """Uneven tensor parallelism (HAP) over ``axis``: for each logical unit dimension (``mlp``, ``heads``), the
+    units each position of the axis computes, ``units = (("heads", (3, 1)), ("mlp", (171, 85)))``. Arrays
+    carrying those dimensions are stored padded to the most units a position holds (see
+    :mod:`spmd._tensor_shares`); the plan's rules split the padded dimensions over ``axis`` evenly.
+
+    >>> TensorShares("tensor", (("heads", (3, 1)), ("mlp", (171, 85)))).describe()
+    'uneven tensor shares over tensor: heads [3, 1], mlp [171, 85] per device'
+    """
+
+    axis: str = "tensor"
+    units: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    source: ClassVar[str] = "uneven tensor shares"
+    splits_units: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple((str(n), tuple(int(u) for u in c)) for n, c in self.units))
+        if not self.units:
+            raise ValueError("uneven tensor shares: units is empty; give the units per position of each dimension")
+        ways = {len(c) for _, c in self.units}
+        if len(ways) != 1 or any(u < 1 for _, c in self.units for u in c):
+            raise ValueError(
+                f"uneven tensor shares: units {dict(self.units)} must give every dimension one positive count "
+                f"per position of {self.axis!r}"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.units)
+
+    def of(self, name: str) -> tuple[int, ...]:
+        """The units per position of logical dimension ``name``."""
+        return dict(self.units)[name]
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{n} {list(c)}" for n, c in self.units)
+        return f"uneven tensor shares over {self.axis}: {shown} per device"
+
+    def axes(self) -> frozenset[str]:
+        return frozenset((self.axis,))
+
+    def executor(self, task: Task) -> Executor:
+        from spmd._tensor_shares import tensor_shares_executor
+
+        return tensor_shares_executor(self, task)
 
 
 GRANULARITIES = ("block", "neuron")

@@ -31,13 +31,14 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+import jax
 import numpy as np
 
 from spmd import Plan, PlanWarning, costmodel, format_bytes, resolve_state
 from spmd import axes as A
 from spmd.costmodel import StepTime
 from spmd.devices import Profile
-from spmd.execution import PipelineSpec, Shares
+from spmd.execution import PipelineSpec, Shares, TensorShares
 from spmd.pipeline import Schedule, simulate
 from spmd.rules import ShardLargest, leaves_with_paths
 from strategies.pipeline import SCHEDULES, pipeline_schedule
@@ -247,6 +248,118 @@ def rank_microbatches(
     )
 
 
+def tensor_units(
+    params: Any,
+    profile: Profile,
+    mesh_axes: Mapping[str, int],
+    *,
+    axis: str = "tensor",
+    names: Sequence[str] = (),
+    plan: Plan | None = None,
+    workload: costmodel.Workload | None = None,
+) -> TensorShares:
+    """Uneven tensor shares (HAP): each unit dimension of ``names`` (default: ``heads`` and ``mlp``, those the
+    parameters carry) divided over ``axis`` by each position's speed (its slowest device's), as an exact integer
+    split. Given the tensor-parallel ``plan`` and a ``workload``, the split also counts the work every device of
+    the axis does whatever its units (what the plan does not split over it: embeddings, the head, norms), priced
+    by the cost model: position ``j`` takes the share ``x_j`` of the units that makes ``(R + x_j·U) / s_j`` the
+    same everywhere (``R`` that fixed work, ``U`` all units' work), so a slow position takes fewer units than its
+    speed's share, but at least one; without them, units in proportion to speed. A position whose speed's share
+    is no unit is refused, naming its devices.
+
+    >>> import jax
+    >>> from spmd import models
+    >>> params = jax.eval_shape(models.get("gpt-tiny").init, jax.random.key(0))
+    >>> tensor_units(params, Profile.from_speeds([2, 1]), {"tensor": 2}).describe()
+    'uneven tensor shares over tensor: heads [3, 1], mlp [171, 85] per device'
+    """
+    profile.check(math.prod(mesh_axes.values()))
+    if mesh_axes.get(axis, 1) < 2:
+        raise ValueError(f"uneven tensor shares need a {axis!r} axis of two or more devices; the mesh is {mesh_axes}")
+    sizes = _unit_sizes(params, names or (A.HEADS, A.MLP))
+    speeds = rank_speeds(profile, mesh_axes, axis)
+    weights: Sequence[float] = speeds
+    if plan is not None and workload is not None:
+        # Per device: E = R + U/T with every position's even units, R + 2U/T with twice as many.
+        even = _unit_flops(plan, params, mesh_axes, workload, sizes)
+        double = _unit_flops(plan, params, mesh_axes, workload, {n: 2 * k for n, k in sizes.items()})
+        ways = len(speeds)
+        units_work, fixed = ways * (double - even), 2 * even - double
+        step = (units_work + ways * fixed) / sum(speeds)  # the time every position then takes, at unit speed
+        weights = [max(step * x - fixed, 0.0) for x in speeds]
+    units = []
+    for name, size in sizes.items():
+        counts = proportional_split(size, speeds)
+        if weights is not speeds and 0 not in counts:
+            # The fixed work may leave a slow position less than a unit: it keeps one, from the largest.
+            counts = list(proportional_split(size, weights))
+            for i in [i for i, c in enumerate(counts) if c == 0]:
+                counts[i], counts[int(np.argmax(counts))] = 1, max(counts) - 1
+            counts = tuple(counts)
+        if 0 in counts:
+            i = counts.index(0)
+            raise ValueError(
+                f"{_named(mesh_axes, axis, i)} gets none of the model's {size} {name} units (split {list(counts)} by "
+                f"speeds {list(speeds)}); leave the device out of the tensor axis, or split the batch instead "
+                f"(a data axis of one kind per rank)"
+            )
+        units.append((name, counts))
+    return TensorShares(axis, tuple(units))
+
+
+def _unit_sizes(params: Any, names: Sequence[str]) -> dict[str, int]:
+    """The size of each of ``names`` in the parameters' logical dimensions (those they carry)."""
+    sizes: dict[str, int] = {}
+    for leaf in leaves_with_paths(params)[0]:
+        for name in names:
+            if leaf.names and name in leaf.names:
+                sizes.setdefault(name, leaf.shape[leaf.names.index(name)])
+    if not sizes:
+        raise ValueError(f"uneven tensor shares: no parameter carries the logical dimensions {list(names)}")
+    return {n: sizes[n] for n in names if n in sizes}
+
+
+def tensor_position_flops(
+    plan: Plan, params: Any, mesh_axes: Mapping[str, int], workload: costmodel.Workload
+) -> tuple[float, tuple[float, ...]]:
+    """A plan with uneven tensor shares: one device's FLOPs per step under the even split, and at each position
+    of the tensor axis with its own units (the cost model's count for the model whose units are that
+    position's on every device of the axis)."""
+    spec = plan.execution
+    ways = len(spec.of(spec.names[0]))
+    even = _unit_flops(plan, params, mesh_axes, workload, {n: sum(spec.of(n)) for n in spec.names})
+    at = tuple(
+        _unit_flops(plan, params, mesh_axes, workload, {n: ways * spec.of(n)[j] for n in spec.names})
+        for j in range(ways)
+    )
+    return even, at
+
+
+def _unit_flops(
+    plan: Plan, params: Any, mesh_axes: Mapping[str, int], workload: costmodel.Workload, units: Mapping[str, int]
+) -> float:
+    """One device's FLOPs per step under ``plan`` (evenly split) for the model with ``units`` of each name."""
+    widened = _with_units(params, units)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        rows = dataclasses.replace(plan, execution=None).resolve(widened, mesh_axes).leaves
+    return costmodel.flops_per_device(rows, plan, mesh_axes, workload)
+
+
+def _with_units(params: Any, units: Mapping[str, int]) -> Any:
+    """Abstract ``params`` with each logical dimension of ``units`` that size."""
+
+    def one(leaf: Any) -> Any:
+        if not hasattr(leaf, "names") or not any(n in units for n in leaf.names):
+            return leaf
+        shape = tuple(
+            units.get(n, d) if isinstance(n, str) else d for n, d in zip(leaf.names, leaf.value.shape, strict=True)
+        )
+        return leaf.replace(value=jax.ShapeDtypeStruct(shape, leaf.value.dtype))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: hasattr(x, "names") and hasattr(x, "value"))
+
+
 def kind_order(profile: Profile, mesh_axes: Mapping[str, int], *, outer: str | None = None) -> tuple[int, ...]:
     """A device order (indices into the profile, in mesh order) with the devices of each kind contiguous along
     ``outer`` (default: the mesh's first axis): the positions of ``outer`` take runs of one kind, so the groups
@@ -367,11 +480,14 @@ def summary(
     flops_per_device: float,
     modelled: StepTime,
     layers_per_stage: Sequence[int] | None = None,
+    tensor_flops: tuple[float, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """What a profile changes for ``plan``: its ``batch_shares`` (None when even), or a pipeline's
     ``layers_per_stage`` and ``rank_microbatches`` (its data positions' microbatches; None when each runs the
-    plan's schedule), the modelled step time of the even and of the uneven split (communication added to
-    both), the speedup and the ideal Σs / (N · min s).
+    plan's schedule), or uneven tensor shares' ``tensor_units``; the modelled step time of the even and of the
+    uneven split (communication added to both), the speedup and the ideal Σs / (N · min s).
+    ``tensor_flops``: for uneven tensor shares, one device's FLOPs under the even split and at each tensor
+    position (:func:`tensor_position_flops`).
 
     ``flops_per_device`` and ``modelled`` are the cost model's figures for the plan at the fastest device's speed
     (``spmd.report`` or ``costmodel.estimate``; for a pipeline whose data positions run their own schedules, a
@@ -398,6 +514,15 @@ def summary(
         times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, modelled.comm_s)
         out["layers_per_stage"] = list(layers)
         out["rank_microbatches"] = list(spec.rank_microbatches) if spec.data_schedules else None
+    elif isinstance(spec, TensorShares):
+        if tensor_flops is None:
+            raise ValueError("summary: uneven tensor shares are priced from tensor_flops (tensor_position_flops)")
+        even_flops, at = tensor_flops
+        relative = [x / max(profile.speeds) for x in rank_speeds(profile, mesh_axes, spec.axis)]
+        t_even = max(even_flops / rate / r for r in relative) + modelled.comm_s
+        t = max(f / rate / r for f, r in zip(at, relative, strict=True)) + modelled.comm_s
+        times = {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(relative) / (len(at) * min(relative))}
+        out["tensor_units"] = {n: list(spec.of(n)) for n in spec.names}
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
         uneven = spec if isinstance(spec, Shares) else None
@@ -420,12 +545,19 @@ def summary(
 
 
 def profiled_step_time(
-    plan: Plan, mesh_axes: Mapping[str, int], profile: Profile, batch: int, estimate: costmodel.Estimate
+    plan: Plan,
+    mesh_axes: Mapping[str, int],
+    profile: Profile,
+    batch: int,
+    estimate: costmodel.Estimate,
+    *,
+    params: Any = None,
+    workload: costmodel.Workload | None = None,
 ) -> float:
     """``plan``'s modelled step on the devices of ``profile``, from the cost model's ``estimate`` (priced at the
-    fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares or a pipeline
-    with layers per stage or data schedules; otherwise every device does the same work, and the slowest paces
-    the step.
+    fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares, a pipeline
+    with layers per stage or data schedules, or uneven tensor shares (priced from ``params`` and
+    ``workload``); otherwise every device does the same work, and the slowest paces the step.
 
     >>> import jax, optax
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
@@ -439,6 +571,12 @@ def profiled_step_time(
     spec = plan.execution
     if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and (spec.layers_per_stage or spec.data_schedules)):
         return summary(plan, mesh_axes, profile, batch, estimate.flops, t)["simulated_step_time"]["hetero"]
+    if isinstance(spec, TensorShares):
+        if params is None or workload is None:
+            raise ValueError("profiled_step_time: uneven tensor shares are priced from params= and workload=")
+        flops = tensor_position_flops(plan, params, mesh_axes, workload)
+        priced = summary(plan, mesh_axes, profile, batch, estimate.flops, t, tensor_flops=flops)
+        return priced["simulated_step_time"]["hetero"]
     return t.compute_s * max(profile.speeds) / min(profile.speeds) + t.comm_s
 
 
@@ -478,10 +616,22 @@ def apply_profile(
                 _require_whole_over_data(plan, params, mesh_axes)
                 spec = dataclasses.replace(spec, data_schedules=rank_microbatches(spec.schedule, profile, mesh_axes))
         return dataclasses.replace(plan, execution=spec)
+    split = _units_split_over(plan, params, mesh_axes, "tensor")
+    if split and len(set(rank_speeds(profile, mesh_axes, "tensor"))) > 1:
+        # The tensor axis's positions differ in speed (its groups mix kinds, as the kinds' counts leave them):
+        # each position computes heads and hidden units in proportion to its speed.
+        if plan.execution is not None:
+            raise ValueError(
+                f"the tensor axis's devices differ in speed, so they take uneven heads and units, and the plan "
+                f"already runs {plan.execution.describe()}; place one kind per tensor group, or pass --even"
+            )
+        units = tensor_units(params, profile, mesh_axes, names=split, plan=plan, workload=workload)
+        return dataclasses.replace(plan, execution=units)
     if "data" not in plan.batch_axes or mesh_axes.get("data", 1) == 1:
         raise ValueError(
-            "a device profile gives data-parallel ranks uneven batch shares, or pipeline stages uneven layers: "
-            "the plan needs a data axis (dp) or a pipeline (pp); or pass --even"
+            "a device profile gives data-parallel ranks uneven batch shares, pipeline stages uneven layers, or "
+            "the positions of a tensor axis whose devices differ in speed uneven heads and units: the plan needs "
+            "a data axis (dp), a pipeline (pp) or tensor parallelism over such an axis (tp); or pass --even"
         )
     split = [p for p in plan.parts if isinstance(p, ShardLargest) and "params" in p.roles and p.axis == "data"]
     if split:
@@ -526,6 +676,17 @@ def _require_whole_over_data(plan: Plan, params: Any, mesh_axes: Mapping[str, in
             f"split the parameters over an axis of their own (pp+dp+fsdp on stage, data and fsdp), or keep "
             f"the data positions even (--even)"
         )
+
+
+def _units_split_over(plan: Plan, params: Any, mesh_axes: Mapping[str, int], axis: str) -> tuple[str, ...]:
+    """The unit dimensions (``heads``, ``mlp``) that ``plan`` splits over ``axis`` alone (tensor parallelism's)."""
+    if mesh_axes.get(axis, 1) < 2:
+        return ()
+    with warnings.catch_warnings():  # the step resolves the layout again, and warns there
+        warnings.simplefilter("ignore", PlanWarning)
+        rows = plan.resolve(params, mesh_axes).leaves
+    split = {n for r in rows for n, e in zip(r.names or (), r.spec, strict=False) if e == axis}
+    return tuple(n for n in (A.HEADS, A.MLP) if n in split)
 
 
 def _stacked_layers(params: Any) -> int:

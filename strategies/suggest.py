@@ -192,7 +192,13 @@ def rank(
             for variant, flags in _variants(plan, remats, looped, precisions):
                 est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
                 fits = est.memory_bytes <= memory_per_device
-                on = None if profile is None else profiled_step_time(variant, mesh, profile, workload.batch, est)
+                on = (
+                    None
+                    if profile is None
+                    else profiled_step_time(
+                        variant, mesh, profile, workload.batch, est, params=params, workload=workload
+                    )
+                )
                 out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
     out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
     return out, list(dict.fromkeys(skipped))

@@ -31,6 +31,19 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+def run_checked(capsys, mesh, strategy, speeds, batch_size):
+    """``spmd run --check --json`` of gpt-tiny for 2 steps on ``mesh`` under ``strategy`` on devices of
+    ``speeds``: its JSON, once the run exited 0."""
+    import json
+
+    code, out, err = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, "--device-speeds", speeds,
+        "--batch-size", str(batch_size), "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    return json.loads(out)
+
+
 def train_steps(model, plan, mesh, *, steps, batch_size):
     """``steps`` SGD-with-momentum steps of ``model`` under ``plan`` from seed 0 on the built-in data: the
     losses, the final state and the step. SGD with momentum: parameter differences are then the gradient
@@ -43,7 +56,13 @@ def train_steps(model, plan, mesh, *, steps, batch_size):
 
     params = jax.eval_shape(model.init, jax.random.key(0))
     step = spmd.TrainStep(
-        models.loss_fn(model), optax.sgd(0.1, momentum=0.9), plan, mesh, params=params, staged=model.staged
+        models.loss_fn(model),
+        optax.sgd(0.1, momentum=0.9),
+        plan,
+        mesh,
+        params=params,
+        staged=model.staged,
+        narrow=lambda sizes: models.loss_fn(models.narrowed(model, sizes)),
     )
     state = step.init(model.init, jax.random.key(0))
     losses = []

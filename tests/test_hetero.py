@@ -13,7 +13,7 @@ import spmd
 from spmd import costmodel, data, models
 from spmd.devices import Profile
 from strategies import hetero
-from tests.conftest import run_cli, train_steps
+from tests.conftest import run_checked, run_cli, train_steps
 
 
 def test_acceptance_shares_follow_the_speeds():
@@ -198,12 +198,7 @@ def test_a_pipelines_data_positions_run_their_own_microbatches_and_equal_one_dev
 def test_cli_run_a_pipelines_data_positions_by_speed_checked(capsys, mesh, strategy, speeds, counts):
     """Microbatches per data position by its speed (tensor or FSDP groups inside each position): the
     pipeline keeps the devices in the order given, and trains equal to one device."""
-    code, out, err = run_cli(
-        capsys, "run", "--model", "gpt-tiny", "--mesh", mesh, "--strategy", strategy, "--device-speeds", speeds,
-        "--batch-size", "32", "--steps", "2", "--check", "--json",
-    )  # fmt: skip
-    assert code == 0, err
-    j = json.loads(out)
+    j = run_checked(capsys, mesh, strategy, speeds, 32)
     assert j["rank_microbatches"] == counts and j["max_abs_diff"] <= 1e-4
 
 

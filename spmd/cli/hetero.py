@@ -5,28 +5,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmd import Report
+from spmd import Report, costmodel
 from spmd.cli.setup import Setup
+from spmd.execution import TensorShares
 from strategies import hetero
 
 __all__ = ["figures", "text"]
 
 
 def figures(s: Setup, report: Report) -> dict[str, Any]:
-    """``batch_shares`` or ``layers_per_stage`` (and a pipeline's ``rank_microbatches``), the modelled step time
-    of the even split and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s)."""
+    """``batch_shares``, ``layers_per_stage`` (and a pipeline's ``rank_microbatches``) or ``tensor_units``, the
+    modelled step time of the even split and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s)."""
     # A pipeline's layers per stage, as its engine placed them (an even split unless the plan says otherwise).
     layers = report.execution.figures.get("layers_per_stage") if report.execution is not None else None
+    tensor = None
+    if isinstance(s.plan.execution, TensorShares):  # each tensor position's FLOPs with its own units
+        workload = costmodel.Workload(s.batch_size, s.model.config.seq_len)
+        tensor = hetero.tensor_position_flops(s.plan, s.params, dict(s.mesh.shape), workload)
     return hetero.summary(
-        s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time, layers
-    )
+        s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time,
+        layers, tensor_flops=tensor,
+    )  # fmt: skip
 
 
 def text(info: dict[str, Any]) -> str:
     """One line for the terminal."""
+    units = info.get("tensor_units")
     split = (
         f"batch shares {info['batch_shares']}"
         if info.get("batch_shares")
+        else "tensor units " + ", ".join(f"{n} {u}" for n, u in units.items())
+        if units
         else f"layers per stage {info['layers_per_stage']}"
         if info.get("layers_per_stage")
         else "even split"

@@ -11,7 +11,7 @@ from spmd import costmodel
 from spmd.cli.common import console, dumps
 from spmd.cli.setup import setup
 from spmd.cli.train import bf16_check, max_abs_diff, reference, train
-from spmd.execution import PipelineSpec, Shares
+from spmd.execution import PipelineSpec, Shares, TensorShares
 
 __all__ = ["command"]
 
@@ -36,6 +36,8 @@ def command(args: argparse.Namespace) -> int:
         out["layers_per_stage"] = list(spec.layers_per_stage or ())
         if spec.data_schedules:
             out["rank_microbatches"] = list(spec.rank_microbatches)
+    if isinstance(spec, TensorShares):
+        out["tensor_units"] = {n: list(spec.of(n)) for n in spec.names}
     if args.on_nan == "skip":
         out["skipped_steps"] = list(run.skipped)
     if args.checkpoint_dir:

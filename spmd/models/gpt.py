@@ -47,6 +47,7 @@ from spmd import axes as A
 from spmd._context import constrain
 from spmd._context_attention import attention, balance_sequence, restore_sequence, sequence_positions
 from spmd._pipeline import StagedModel
+from spmd._tensor_shares import unit_sum
 from spmd.models.config import LMConfig
 
 __all__ = ["GPT", "causal_attention", "scanned", "staged", "EMBED_INIT", "DENSE_INIT"]
@@ -89,78 +90,75 @@ def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
     )
 
 
-class Projection(nn.Module):
-    """A bias-free projection contracting the trailing ``len(in_names)`` dimensions into ``features``.
+class Kernel(nn.Module):
+    """A bias-free kernel whose leading ``inputs`` dimensions contract with an input's trailing ones: the
+    parameter alone, for blocks that compute with their kernels through :func:`spmd.unit_sum`.
 
-    Equal to ``nn.DenseGeneral`` (same parameter, same initial values: ``DENSE_INIT`` on the flattened kernel),
-    but its kernel initialiser is boxed for the whole kernel: DenseGeneral unboxes its flattened kernel inside its
-    initialiser, which under a context mesh (inside ``shard_map``, as in a pipeline stage) applies the
-    annotation's rank-3 constraint to a rank-2 value."""
+    Its values equal ``nn.DenseGeneral``'s (``DENSE_INIT`` on the flattened kernel; ``nn.Dense``'s for one input
+    dimension), but its initialiser is boxed for the whole kernel: DenseGeneral unboxes its flattened kernel
+    inside its initialiser, which under a context mesh (inside ``shard_map``, as in a pipeline stage) applies
+    the annotation's rank-3 constraint to a rank-2 value."""
 
-    features: tuple[int, ...]
+    shape: tuple[int, ...]
     names: tuple[str, ...]
-    dtype: Any = jnp.float32
+    inputs: int = 1
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        n_in = len(self.names) - len(self.features)
-        in_shape = x.shape[x.ndim - n_in :]
-
+    def __call__(self) -> jax.Array:
         def init(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
-            flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+            flat = (math.prod(shape[: self.inputs]), math.prod(shape[self.inputs :]))
             return DENSE_INIT(rng, flat, dtype).reshape(shape)
 
-        kernel = self.param("kernel", _named(init, self.names), (*in_shape, *self.features), jnp.float32)
-        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        return jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        return self.param("kernel", _named(init, self.names), self.shape, jnp.float32)
+
+
+def _contract(x: jax.Array, kernel: jax.Array, inputs: int, dtype: Any) -> jax.Array:
+    """``x``'s trailing ``inputs`` dimensions contracted with ``kernel``'s leading ones, in ``dtype``."""
+    x, kernel = x.astype(dtype), kernel.astype(dtype)
+    return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - inputs, x.ndim)), tuple(range(inputs))), ((), ())))
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with ``query``/``key``/``value``/``out`` projections, no biases."""
+    """Multi-head causal self-attention with ``query``/``key``/``value``/``out`` projections, no biases; a sum
+    over its heads (:func:`spmd.unit_sum`), so uneven tensor shares give a device its own heads."""
 
     config: LMConfig
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
+        inner = (A.EMBED, A.HEADS, A.HEAD_DIM)
+        kernels = [Kernel((c.d_model, c.heads, c.head_dim), inner, name=n)() for n in ("query", "key", "value")]
+        out = Kernel((c.heads, c.head_dim, c.d_model), (A.HEADS, A.HEAD_DIM, A.EMBED), inputs=2, name="out")()
 
-        def project(name: str) -> jax.Array:
-            dense = Projection((c.heads, c.head_dim), (A.EMBED, A.HEADS, A.HEAD_DIM), c.dtype, name=name)
-            return checkpoint_name(constrain(dense(x), HEADS), f"{name}_proj")
+        def attend(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax.Array) -> jax.Array:
+            q, k, v = (
+                checkpoint_name(constrain(_contract(x, w, 1, c.dtype), HEADS), f"{n}_proj")
+                for w, n in ((wq, "query"), (wk, "key"), (wv, "value"))
+            )
+            y = checkpoint_name(constrain(causal_attention(q, k, v), HEADS), "attn_out")
+            return checkpoint_name(_contract(y, wo, 2, c.dtype), "out_proj")
 
-        q, k, v = project("query"), project("key"), project("value")
-        y = checkpoint_name(constrain(causal_attention(q, k, v), HEADS), "attn_out")
-        out = Projection((c.d_model,), (A.HEADS, A.HEAD_DIM, A.EMBED), c.dtype, name="out")(y)
-        return checkpoint_name(out, "out_proj")
+        return unit_sum(attend, x, (*kernels, out), (1, 1, 1, 0), A.HEADS)
 
 
 class Mlp(nn.Module):
-    """The feed-forward half of a block: ``wi`` -> GELU -> ``wo``, no biases."""
+    """The feed-forward half of a block: ``wi`` -> GELU -> ``wo``, no biases; a sum over its hidden units
+    (:func:`spmd.unit_sum`), so uneven tensor shares give a device its own units."""
 
     config: LMConfig
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        h = nn.Dense(
-            c.mlp,
-            use_bias=False,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, (A.EMBED, A.MLP)),
-            name="wi",
-        )(x)
-        h = constrain(nn.gelu(checkpoint_name(h, "mlp_hidden")), HIDDEN)
-        out = nn.Dense(
-            c.d_model,
-            use_bias=False,
-            dtype=c.dtype,
-            param_dtype=jnp.float32,
-            kernel_init=_named(DENSE_INIT, (A.MLP, A.EMBED)),
-            name="wo",
-        )(h)
-        return checkpoint_name(out, "mlp_out")
+        wi = Kernel((c.d_model, c.mlp), (A.EMBED, A.MLP), name="wi")()
+        wo = Kernel((c.mlp, c.d_model), (A.MLP, A.EMBED), name="wo")()
+
+        def feed_forward(x: jax.Array, wi: jax.Array, wo: jax.Array) -> jax.Array:
+            h = constrain(nn.gelu(checkpoint_name(_contract(x, wi, 1, c.dtype), "mlp_hidden")), HIDDEN)
+            return checkpoint_name(_contract(h, wo, 1, c.dtype), "mlp_out")
+
+        return unit_sum(feed_forward, x, (wi, wo), (1, 0), A.MLP)
 
 
 class Block(nn.Module):
