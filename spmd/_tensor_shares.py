@@ -13,6 +13,7 @@ whose update of a zero gradient is zero (SGD, Adam, weight decay), and the step 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["UNITS_SCOPE", "UnevenTensor", "tensor_shares_executor", "unit_sum"]
 
 UNITS_SCOPE = "spmd_tensor_units"  # the switch over a device's own units, named for the compiled program's counts
+# How many unit blocks the loss being traced ran through unit_sum (None: nobody is counting).
+_BLOCKS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("spmd_unit_blocks", default=None)
 
 
 def _active() -> tuple[TensorShares, Any] | None:
@@ -66,6 +69,9 @@ def unit_sum(
     if current is None or name not in current[0].names:
         return fn(x, *weights)
     spec, mesh = current
+    counted = _BLOCKS.get()
+    if counted is not None:
+        counted.append(name)
     units = spec.of(name)
     padded = max(units)
     ways = len(units)
@@ -223,7 +229,20 @@ def tensor_shares_executor(spec: TensorShares, task: Task) -> Executor:
     keyed = named(loss_fn)[0] >= named(task.loss)[0]
 
     def value_and_grad(stored: Any, batch: Any, draw: StepKey | None = None) -> tuple[jax.Array, Any]:
-        return jax.value_and_grad(lambda p: call_loss(loss_fn, p, batch, draw))(stored)
+        blocks: list[str] = []
+        token = _BLOCKS.set(blocks)
+        try:
+            out = jax.value_and_grad(lambda p: call_loss(loss_fn, p, batch, draw))(stored)
+        finally:
+            _BLOCKS.reset(token)
+        missing = sorted(set(spec.names) - set(blocks))
+        if missing:  # the padded units would be computed in full on every device: nothing uneven would run
+            raise PlanError(
+                f"uneven tensor shares: the model ran no block over {missing} through spmd.unit_sum, so every "
+                f"device would compute all the padded units; compute its attention and MLP blocks with "
+                f"spmd.unit_sum (the built-in GPTs do), or keep the tensor axis even (--even)"
+            )
+        return out
 
     return Executor(
         value_and_grad,

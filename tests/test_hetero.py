@@ -147,6 +147,9 @@ def test_uneven_fsdp_traffic_and_work_are_the_busiest_ranks(capsys):
     assert over_fsdp(j["collectives"]) == pytest.approx(over_fsdp(j["analytic_collectives"]), rel=0.1)
     # The busiest rank takes 24 of the 56 examples, the even split 14.
     assert j["compiled_flops_per_device"] == pytest.approx(j["flops_per_device"] * 24 / 14, rel=0.02)
+    # Each rank's own loop: its compiled FLOPs follow its share.
+    by_rank = np.array(j["compiled_flops_by_position"])
+    np.testing.assert_allclose(by_rank / by_rank[0], np.array([24, 8, 8, 16]) / 24, rtol=0.02)
 
 
 def test_cli_run_uneven_pipeline_stages_checked(capsys):

@@ -127,6 +127,14 @@ def test_resume_onto_another_mesh_continues_the_same_run(capsys, tmp_path):
     )  # fmt: skip
     assert code == 0
     np.testing.assert_allclose(json.loads(out)["losses"], straight[2:], atol=1e-5)
+    # Uneven tensor shares store their units padded; the checkpoint's model layout restores onto them too.
+    shutil.rmtree(os.path.join(ck, "4"))
+    code, out, err = run_cli(
+        capsys, "run", "--model", "gpt-tiny", "--layers", "2", "--mesh", "data=2,tensor=4", "--strategy", "dp+tp",
+        "--device-speeds", "2,2,2,2,2,2,1,1", "--steps", "4", "--checkpoint-dir", ck, "--resume", "--json",
+    )  # fmt: skip
+    assert code == 0 and json.loads(out)["tensor_units"]["mlp"][2] < 64, err
+    np.testing.assert_allclose(json.loads(out)["losses"], straight[2:], atol=1e-5)
 
 
 def test_the_one_device_reference_saves_nothing(capsys, tmp_path, monkeypatch):

@@ -123,6 +123,15 @@ def test_conversions_validation_and_refusals():
     ):
         with pytest.raises(spmd.PlanError, match="has 256 mlp units along dimension 1, and the plan stores 2 × 171"):
             spmd.unit_sum(lambda x, w: x @ w, x, (jax.numpy.ones((64, 256)),), (1,), "mlp")
+    # A loss that never calls spmd.unit_sum would compute every padded unit on every device: refused.
+    plan = dataclasses.replace(strategies.tensor_parallel(), execution=spec)
+    task = spmd.execution.Task(
+        models.loss_fn(model), plan, spmd.make_mesh({"tensor": 2, "data": -1}), params,
+        narrow=lambda sizes: lambda p, b: jax.numpy.sum(p["params"]["layers"]["mlp"]["wi"]["kernel"]),
+    )  # fmt: skip
+    executor = spmd.execution.tensor_shares_executor(spec, task)
+    with pytest.raises(spmd.PlanError, match=r"ran no block over \['heads', 'mlp'\] through spmd.unit_sum"):
+        executor.value_and_grad(executor.to_stored(plain_values(real)), None)
     plan = strategies.data_parallel() + strategies.context_parallel() + strategies.tensor_parallel()
     with pytest.raises(spmd.PlanError, match="does not compose with uneven tensor shares .* inside per-device"):
         assert dataclasses.replace(plan, execution=spec).context is None
