@@ -23,9 +23,9 @@ from typing import Any
 
 from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
 from spmd.devices import Profile
-from spmd.execution import Shares
+from spmd.execution import Shares, TensorShares
 from strategies import Context, ContextOptions, from_names
-from strategies.hetero import profiled_step_time
+from strategies.hetero import profiled_step_time, rank_speeds
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
 _DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
@@ -73,6 +73,7 @@ class Suggestion:
             "modelled": self.estimate.to_dict(),
             "modelled_step_on_profile_s": self.profiled_s,
             "batch_shares": list(self.plan.execution.shares) if isinstance(self.plan.execution, Shares) else None,
+            "tensor_units": dict(self.plan.execution.units) if isinstance(self.plan.execution, TensorShares) else None,
             "compiled_memory": self.compiled_memory,
             "compiled_comm_bytes": self.compiled_comm_bytes,
             "confirmed": self.confirmed,
@@ -172,8 +173,9 @@ def rank(
             skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
             continue
         usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
-        # A profile gives the data-parallel ranks uneven shares; a plan without a data axis stays even.
-        base = uneven if profile is not None and mesh.get("data", 1) > 1 else plain
+        # A profile gives the data-parallel ranks uneven shares, and a tensor axis whose positions differ in
+        # speed uneven heads and units; a plan with neither stays even.
+        base = uneven if profile is not None and (mesh.get("data", 1) > 1 or _tensor_differs(profile, mesh)) else plain
         for ctx, options, split_flags in _tried(strategy, context_options, base, workload.batch, ways, profile):
             try:
                 plan = from_names(strategy, mesh, context=ctx, context_options=options)
@@ -202,6 +204,11 @@ def rank(
                 out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
     out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
     return out, list(dict.fromkeys(skipped))
+
+
+def _tensor_differs(profile: Profile, mesh: Mapping[str, int]) -> bool:
+    """Whether the positions of ``mesh``'s tensor axis differ in speed on the devices of ``profile``."""
+    return mesh.get("tensor", 1) > 1 and len(set(rank_speeds(profile, mesh, "tensor"))) > 1
 
 
 def _tried(

@@ -140,3 +140,20 @@ def test_conversions_validation_and_refusals():
 def plain_values(tree):
     """Boxed parameters as plain arrays."""
     return jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, tree, is_leaf=lambda x: hasattr(x, "names"))
+
+
+def test_the_planner_prices_uneven_tensor_shares_where_a_tensor_axis_mixes_speeds():
+    """``suggest.rank`` with a profile gives a tensor-only mesh whose positions differ in speed uneven heads and
+    units, and its modelled step on those devices beats the even split's, which the slow devices pace."""
+    from strategies import suggest
+
+    _, params = _tiny()
+    ranked, _ = suggest.rank(
+        params, costmodel.Workload(256, 32), costmodel.HARDWARE["cpu"], devices=4, memory_per_device=1 << 34,
+        optimizer=optax.adam(1e-3), max_tensor=4, profile=Profile.from_speeds([2, 2, 1, 1]),
+    )  # fmt: skip
+    tp = [s for s in ranked if s.mesh == {"tensor": 4} and s.strategy == "tp"]
+    uneven = next(s for s in tp if isinstance(s.plan.execution, TensorShares))
+    even = next(s for s in tp if "--even" in s.flags)
+    assert uneven.plan.execution.of("mlp")[0] > uneven.plan.execution.of("mlp")[3]
+    assert uneven.profiled_s < 0.85 * even.profiled_s
