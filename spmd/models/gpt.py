@@ -90,14 +90,23 @@ def _layer_norm(config: LMConfig, name: str) -> nn.LayerNorm:
     )
 
 
-class Kernel(nn.Module):
-    """A bias-free kernel whose leading ``inputs`` dimensions contract with an input's trailing ones: the
-    parameter alone, for blocks that compute with their kernels through :func:`spmd.unit_sum`.
+def _kernel_init(inputs: int) -> Callable:
+    """``DENSE_INIT`` on the kernel flattened to ``(its leading inputs dimensions, the rest)``: the values of
+    ``nn.DenseGeneral`` (``nn.Dense``'s for one input dimension), but boxed for the whole kernel. DenseGeneral
+    unboxes its flattened kernel inside its initialiser, which under a context mesh (inside ``shard_map``, as in
+    a pipeline stage) applies the annotation's rank-3 constraint to a rank-2 value."""
 
-    Its values equal ``nn.DenseGeneral``'s (``DENSE_INIT`` on the flattened kernel; ``nn.Dense``'s for one input
-    dimension), but its initialiser is boxed for the whole kernel: DenseGeneral unboxes its flattened kernel
-    inside its initialiser, which under a context mesh (inside ``shard_map``, as in a pipeline stage) applies
-    the annotation's rank-3 constraint to a rank-2 value."""
+    def init(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        flat = (math.prod(shape[:inputs]), math.prod(shape[inputs:]))
+        return DENSE_INIT(rng, flat, dtype).reshape(shape)
+
+    return init
+
+
+class Kernel(nn.Module):
+    """A bias-free kernel whose leading ``inputs`` dimensions contract with an input's trailing ones (initialised
+    by :func:`_kernel_init`): the parameter alone, for blocks that compute with their kernels through
+    :func:`spmd.unit_sum`."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
@@ -105,17 +114,30 @@ class Kernel(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        def init(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
-            flat = (math.prod(shape[: self.inputs]), math.prod(shape[self.inputs :]))
-            return DENSE_INIT(rng, flat, dtype).reshape(shape)
-
-        return self.param("kernel", _named(init, self.names), self.shape, jnp.float32)
+        return self.param("kernel", _named(_kernel_init(self.inputs), self.names), self.shape, jnp.float32)
 
 
 def _contract(x: jax.Array, kernel: jax.Array, inputs: int, dtype: Any) -> jax.Array:
     """``x``'s trailing ``inputs`` dimensions contracted with ``kernel``'s leading ones, in ``dtype``."""
     x, kernel = x.astype(dtype), kernel.astype(dtype)
     return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - inputs, x.ndim)), tuple(range(inputs))), ((), ())))
+
+
+class Projection(nn.Module):
+    """A bias-free projection contracting the trailing ``len(names) - len(features)`` dimensions into
+    ``features``: ``nn.DenseGeneral``'s parameter and values (see :func:`_kernel_init`), for models that compute
+    their projections one by one."""
+
+    features: tuple[int, ...]
+    names: tuple[str, ...]
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        inputs = len(self.names) - len(self.features)
+        shape = (*x.shape[x.ndim - inputs :], *self.features)
+        kernel = self.param("kernel", _named(_kernel_init(inputs), self.names), shape, jnp.float32)
+        return _contract(x, kernel, inputs, self.dtype)
 
 
 class CausalSelfAttention(nn.Module):
