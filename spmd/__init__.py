@@ -73,8 +73,8 @@ __all__ = [
     "restore_sequence",
     "rules",
     "sequence_positions",
-    "unit_sum",
     "shard",
     "unbox",
+    "unit_sum",
 ]
 __version__ = "0.1.0"

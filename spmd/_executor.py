@@ -56,7 +56,7 @@ class Task(NamedTuple):
     abstract (possibly annotated) parameters in its own layout, and the model's optional cut forms — ``staged``
     (embeddings, one stacked layer, head: for pipelines) and ``narrow(kept) -> loss`` (the loss of the model
     narrowed to ``kept`` groups per logical dimension, ``{}`` keeping the whole model: for subnetworks with
-    forward masking).
+    forward masking; and widened to padded sizes, for uneven tensor shares).
 
     >>> import spmd, jax
     >>> params = {"w": jax.ShapeDtypeStruct((2,), "float32")}

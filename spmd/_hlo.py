@@ -114,6 +114,7 @@ _CALLEE_ATTR = re.compile(
     r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRANSFORMED = re.compile(r"\w+\(|\)")  # a transformation's name and parentheses around a scope
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 
 
@@ -395,7 +396,8 @@ def _callees(instr: _Instr, branch_weights: Mapping[str, Sequence[float]]) -> li
         return []
     attrs = _QUOTED.sub('""', instr.attrs)
     scope = _OP_NAME.search(instr.attrs)
-    path = scope.group(1) if scope else ""
+    # A named scope that JAX's transformations wrap (``jvp(scope)``, ``transpose(jvp(scope))``) is the scope.
+    path = _TRANSFORMED.sub("", scope.group(1)) if scope else ""
     trips: float = 1
     if instr.opcode == "while":
         found = _TRIP_COUNT.search(instr.attrs)

@@ -128,8 +128,9 @@ def _manual_message(axis: str, manual: tuple[str, ...]) -> str:
     if axis not in manual:
         return (
             f"pipeline: the positions of {axis!r} run their own schedules, each with its own microbatches, which "
-            f"needs the parameters whole along {axis!r}, and the plan splits them over it (ZeRO-3 or FSDP over "
-            f"{axis!r}); split them over an axis of their own (FSDP over 'fsdp'), or give no data schedules"
+            f"needs {axis!r} to split the batch and the parameters whole along it, and the plan splits them over "
+            f"it (ZeRO-3 or FSDP over {axis!r}) or does not split the batch over it; split the parameters over an "
+            f"axis of their own (FSDP over 'fsdp') and the batch over {axis!r}, or give no data schedules"
         )
     others = [a for a in manual if a != axis]
     return (

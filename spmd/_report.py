@@ -405,7 +405,8 @@ def _join(
         analytic_collectives=(),
         warnings=(),
         flops_per_device=None,
-        compiled_flops=matmul_flops(text, branch_weights=branch_weights),
+        # The busiest device's: where positions differ, the position computing the most.
+        compiled_flops=max(by_position) if by_position else matmul_flops(text, branch_weights=branch_weights),
         compiled_flops_by_position=by_position or None,
         execution=execution,
         layout_known=side is not None,

@@ -218,6 +218,10 @@ class TensorShares(ExecutionSpec):
         object.__setattr__(self, "units", tuple((str(n), tuple(int(u) for u in c)) for n, c in self.units))
         if not self.units:
             raise ValueError("uneven tensor shares: units is empty; give the units per position of each dimension")
+        if len(set(self.names)) != len(self.units):
+            raise ValueError(
+                f"uneven tensor shares: units names a dimension twice ({list(self.names)}); name each once"
+            )
         ways = {len(c) for _, c in self.units}
         if len(ways) != 1 or any(u < 1 for _, c in self.units for u in c):
             raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec
 
 from spmd._executor import Executor, Summary, Task
 from spmd._keys import StepKey, call_loss, named
+from spmd._resolve import PlanWarning
 from spmd._rules import PlanError
 from spmd._tree import is_box, key_name
 
@@ -68,6 +70,8 @@ def unit_sum(
     current = _active()
     if current is None or name not in current[0].names:
         return fn(x, *weights)
+    if len(weights) != len(dims):
+        raise ValueError(f"spmd.unit_sum: {len(weights)} weights and {len(dims)} dims; give each weight its units' dim")
     spec, mesh = current
     counted = _BLOCKS.get()
     if counted is not None:
@@ -117,7 +121,7 @@ class UnevenTensor:
     """
 
     def __init__(self, spec: TensorShares, params: Any) -> None:
-        self.spec = spec
+        self.spec, self.abstract = spec, params
         flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)
         self.dims: dict[str, tuple[str, int]] = {}  # path -> (unit name, dimension)
         sizes: dict[str, int] = {}
@@ -131,7 +135,10 @@ class UnevenTensor:
             self.dims[key] = (unit, dim)
             size = np.shape(x.value)[dim]
             if sizes.setdefault(unit, size) != size:
-                raise PlanError(f"uneven tensor shares: {key} has {size} {unit} units, another array {sizes[unit]}")
+                raise PlanError(
+                    f"uneven tensor shares: {key} has {size} {unit} units and an earlier array {sizes[unit]}; "
+                    f"the arrays naming {unit!r} must agree on its size"
+                )
         for unit in spec.names:
             total = sum(spec.of(unit))
             if sizes.get(unit) != total:
@@ -213,18 +220,38 @@ class UnevenTensor:
 
 def tensor_shares_executor(spec: TensorShares, task: Task) -> Executor:
     """The executor of uneven tensor shares: the model widened to the padded units (``task.narrow``), its
-    parameters stored padded, and each unit block run through :func:`unit_sum`."""
+    parameters stored padded, and each unit block run through :func:`unit_sum`.
+
+    >>> import dataclasses, jax, spmd, strategies
+    >>> from spmd import models
+    >>> from spmd.execution import TensorShares
+    >>> model = models.get("gpt-tiny", layers=2)
+    >>> spec = TensorShares("tensor", (("heads", (3, 1)), ("mlp", (171, 85))))
+    >>> plan = dataclasses.replace(strategies.tensor_parallel(), execution=spec)
+    >>> task = spmd.execution.Task(models.loss_fn(model), plan, spmd.make_mesh({"tensor": 2, "data": -1}),
+    ...     jax.eval_shape(model.init, jax.random.key(0)), narrow=lambda s: models.loss_fn(models.narrowed(model, s)))
+    >>> ex = tensor_shares_executor(spec, task)
+    >>> ex.engine.padded_sizes, len(ex.position_weights)  # each position's counts for the report
+    ({'heads': 6, 'mlp': 342}, 2)
+    """
     if task.narrow is None:
         raise PlanError(
-            "uneven tensor shares run the model at its padded sizes: pass narrow=lambda sizes: loss of the model "
-            "with those sizes (spmd.models.narrowed does it for the built-in GPTs)"
+            "uneven tensor shares run the model at its padded sizes: pass TrainStep(..., narrow=lambda sizes: loss "
+            "of the model with those sizes) (spmd.models.narrowed does it for the built-in GPTs)"
         )
-    if spec.axis not in task.mesh.shape or task.mesh.shape[spec.axis] != len(spec.of(spec.names[0])):
+    ways = len(spec.of(spec.names[0]))
+    if spec.axis not in task.mesh.shape:
         raise PlanError(
-            f"uneven tensor shares: {len(spec.of(spec.names[0]))} positions of {spec.axis!r}, and the mesh has "
-            f"{task.mesh.shape.get(spec.axis, 0)}; give one share per position"
+            f"uneven tensor shares over {spec.axis!r}, and the mesh has no such axis ({dict(task.mesh.shape)}); "
+            f"add it with {ways} devices"
+        )
+    if task.mesh.shape[spec.axis] != ways:
+        raise PlanError(
+            f"uneven tensor shares: {ways} positions of {spec.axis!r}, and the mesh has "
+            f"{task.mesh.shape[spec.axis]}; give one share per position"
         )
     engine = UnevenTensor(spec, task.params)
+    _require_split(task.plan, engine, task.mesh)
     loss_fn = task.narrow(engine.padded_sizes)
     keyed = named(loss_fn)[0] >= named(task.loss)[0]
 
@@ -237,10 +264,14 @@ def tensor_shares_executor(spec: TensorShares, task: Task) -> Executor:
             _BLOCKS.reset(token)
         missing = sorted(set(spec.names) - set(blocks))
         if missing:  # the padded units would be computed in full on every device: nothing uneven would run
-            raise PlanError(
-                f"uneven tensor shares: the model ran no block over {missing} through spmd.unit_sum, so every "
-                f"device would compute all the padded units; compute its attention and MLP blocks with "
-                f"spmd.unit_sum (the built-in GPTs do), or keep the tensor axis even (--even)"
+            # A warning, not an error: a body JAX traced once before (a cached lax.scan body) runs no Python.
+            warnings.warn(
+                f"uneven tensor shares: tracing the model ran no block over {missing} through spmd.unit_sum, so "
+                f"unless a cached trace of it did, every device computes all the padded units; compute its "
+                f"attention and MLP blocks with spmd.unit_sum (the built-in GPTs do), or keep the tensor axis even "
+                f"(--even)",
+                PlanWarning,
+                stacklevel=2,
             )
         return out
 
@@ -254,3 +285,19 @@ def tensor_shares_executor(spec: TensorShares, task: Task) -> Executor:
         position_weights=tuple(engine.device_weights(j) for j in range(task.mesh.shape[spec.axis])),
         engine=engine,
     )
+
+
+def _require_split(plan: Any, engine: UnevenTensor, mesh: Any) -> None:
+    """Every array carrying the shares' units is split over the axis along those units (each device holds its
+    own padded block), or the padded arrays would be stored whole and resharded at every block: refused."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        rows = plan.resolve(engine.to_stored(engine.abstract), mesh).leaves
+    for row in rows:
+        if row.path in engine.dims and row.spec[engine.dims[row.path][1]] != engine.spec.axis:
+            unit, dim = engine.dims[row.path]
+            raise PlanError(
+                f"uneven tensor shares: {row.path} carries {unit} units along dimension {dim}, and the plan lays "
+                f"that dimension out as {row.spec[dim]!r}, not over {engine.spec.axis!r} alone; split it with "
+                f"tensor parallelism's rules (strategies.tensor_parallel)"
+            )

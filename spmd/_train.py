@@ -70,7 +70,7 @@ class TrainStep:
     ``loss_fn(params, batch) -> scalar``; ``params``: the model's parameters, abstract or not, optionally with
     flax logical annotations (``jax.eval_shape(model.init, key)``). The plan's execution mode is built once,
     and the layout of the whole training state resolved: nothing about the step changes afterwards. A pipeline
-    plan needs ``staged`` (the model cut into stages), a subnetwork plan with forward masking ``narrow``.
+    plan needs ``staged`` (the model cut into stages), forward-masked subnetworks and uneven tensor shares ``narrow``.
     Parameters are created already sharded by :meth:`init`, the state buffers are donated, and gradients are
     constrained to their planned layout before the update. Each batch shape compiles once. With
     ``skip_nonfinite``, a step whose loss or gradients hold NaN or inf leaves the parameters and optimizer state

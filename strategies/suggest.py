@@ -23,7 +23,7 @@ from typing import Any
 
 from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
 from spmd.devices import Profile
-from spmd.execution import Shares, TensorShares
+from spmd.execution import Shares, TensorShares, UnevenTensor
 from strategies import Context, ContextOptions, from_names
 from strategies.hetero import profiled_step_time, rank_speeds
 
@@ -183,7 +183,7 @@ def rank(
                 plan.check_mesh(mesh)
                 if plan.context is not None:  # the sequence must split over the context axis
                     plan.context.check_length(workload.seq_len, mesh[plan.context.axis], "a sequence")
-                layout = resolve_state(plan, params, optimizer, mesh)
+                layout = resolve_state(plan, _stored(plan, params), optimizer, mesh)
             except (PlanError, ValueError) as e:
                 skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
                 continue
@@ -204,6 +204,13 @@ def rank(
                 out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
     out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
     return out, list(dict.fromkeys(skipped))
+
+
+def _stored(plan: Plan, params: Any) -> Any:
+    """The parameters as ``plan`` stores them: uneven tensor shares pad their units (the state is that size)."""
+    return (
+        UnevenTensor(plan.execution, params).to_stored(params) if isinstance(plan.execution, TensorShares) else params
+    )
 
 
 def _tensor_differs(profile: Profile, mesh: Mapping[str, int]) -> bool:

@@ -271,7 +271,10 @@ def test_data_positions_need_the_parameters_whole_over_data_and_a_data_axis(caps
     spec = spmd.execution.PipelineSpec("stage", zero3.execution.schedule, data_schedules=schedules)
     task = Task(None, spmd.Plan(batch_axes=zero3.batch_axes, parts=zero3.parts, execution=spec),
                 spmd.make_mesh(sizes), params, staged=model.staged)  # fmt: skip
-    with pytest.raises(spmd.PlanError, match="needs the parameters whole along 'data', and the plan splits them"):
+    with pytest.raises(
+        spmd.PlanError,
+        match="needs 'data' to split the batch and the parameters whole along it, and the plan splits them",
+    ):
         pipeline_executor(spec, task)
     with pytest.raises(spmd.PlanError, match=r"also split over \['fsdp'\]"):
         Pipeline(None, spec, spmd.make_mesh(sizes), layers=2, data_axes=("data", "fsdp"))

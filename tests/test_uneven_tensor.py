@@ -130,8 +130,27 @@ def test_conversions_validation_and_refusals():
         narrow=lambda sizes: lambda p, b: jax.numpy.sum(p["params"]["layers"]["mlp"]["wi"]["kernel"]),
     )  # fmt: skip
     executor = spmd.execution.tensor_shares_executor(spec, task)
-    with pytest.raises(spmd.PlanError, match=r"ran no block over \['heads', 'mlp'\] through spmd.unit_sum"):
+    with pytest.warns(spmd.PlanWarning, match=r"ran no block over \['heads', 'mlp'\] through spmd.unit_sum"):
         executor.value_and_grad(executor.to_stored(plain_values(real)), None)
+    # The executor's refusals: no narrow, no axis, another number of positions, units not split over the axis.
+    mesh = spmd.make_mesh({"tensor": 2, "data": -1})
+    for changes, message in (
+        ({"narrow": None}, r"pass TrainStep\(\.\.\., narrow="),
+        ({"mesh": spmd.make_mesh({"data": -1})}, "the mesh has no such axis"),
+        ({"mesh": spmd.make_mesh({"tensor": 4, "data": -1})}, "2 positions of 'tensor', and the mesh has 4"),
+        ({"plan": dataclasses.replace(strategies.data_parallel(), execution=spec)}, "not over 'tensor' alone"),
+    ):
+        bad = task._replace(**{"mesh": mesh, **changes})
+        with pytest.raises(spmd.PlanError, match=message):
+            spmd.execution.tensor_shares_executor(spec, bad)
+    with pytest.raises(ValueError, match="names a dimension twice"):
+        TensorShares("tensor", (("mlp", (1, 1)), ("mlp", (1, 1))))
+    with pytest.raises(ValueError, match="already runs uneven shares"):
+        hetero.apply_profile(
+            strategies.tensor_parallel() + hetero.uneven_data_parallel((4, 4, 4, 4)), {"data": 4, "tensor": 2},
+            Profile.from_speeds([2, 1] * 4), params=params, workload=costmodel.Workload(16, 32),
+            optimizer=optax.sgd(0.1),
+        )  # fmt: skip
     plan = strategies.data_parallel() + strategies.context_parallel() + strategies.tensor_parallel()
     with pytest.raises(spmd.PlanError, match="does not compose with uneven tensor shares .* inside per-device"):
         assert dataclasses.replace(plan, execution=spec).context is None
@@ -157,3 +176,24 @@ def test_the_planner_prices_uneven_tensor_shares_where_a_tensor_axis_mixes_speed
     even = next(s for s in tp if "--even" in s.flags)
     assert uneven.plan.execution.of("mlp")[0] > uneven.plan.execution.of("mlp")[3]
     assert uneven.profiled_s < 0.85 * even.profiled_s
+
+
+def test_a_plain_jax_block_is_counted_per_position_under_grad():
+    """``unit_sum`` as the outermost scope of a plain-JAX loss: JAX names its switch ``jvp(...)`` and
+    ``transpose(jvp(...))``, and the compiled counts still weigh each position's own branch."""
+    from spmd._hlo import matmul_flops
+
+    spec = TensorShares("tensor", (("mlp", (3, 2)),))
+    mesh = spmd.make_mesh({"tensor": 2, "data": -1})
+    plan = dataclasses.replace(strategies.tensor_parallel(), execution=spec)
+    block = lambda x, wi, wo: jax.nn.gelu(x @ wi) @ wo  # noqa: E731
+
+    def loss(x, wi, wo):
+        return jax.numpy.sum(spmd.unit_sum(block, x, (wi, wo), (1, 0), "mlp") ** 2)
+
+    x, wi, wo = jax.numpy.ones((8, 16)), jax.numpy.ones((16, 6)), jax.numpy.ones((6, 16))
+    with spmd.activate(plan, mesh):
+        text = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(x, wi, wo).compile().as_text()
+    counts = [matmul_flops(text, branch_weights={"spmd_tensor_units": w}) for w in ((1, 0), (0, 1))]
+    # Two 8 × 16 × units matmuls forward; backward, both weights' gradients and the hidden one's: 3 units and 2.
+    assert counts == [5 * 2 * 8 * 16 * 3, 5 * 2 * 8 * 16 * 2]
