@@ -46,7 +46,7 @@ def main() -> None:
 
     import strategies
     from spmd import costmodel, models
-    from strategies import hetero, suggest
+    from strategies import hetero, suggest, tensor_shares
 
     model = models.get(args.model)
     optimizer = optax.adam(1e-3)
@@ -104,7 +104,7 @@ def main() -> None:
             optimizer=optimizer,
         )  # fmt: skip
         _, flops, modelled = priced(tp_plan, tp_axes)
-        at = hetero.tensor_position_flops(tp_plan, abstract, tp_axes, workload)
+        at = tensor_shares.tensor_position_flops(tp_plan, abstract, tp_axes, workload)
         tp = hetero.summary(tp_plan, tp_axes, mixed, args.batch_size, flops, modelled, tensor_flops=at)
         units = ", ".join(f"{n} {u}" for n, u in tp["tensor_units"].items())
         picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile)

@@ -2,8 +2,8 @@
 
 Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
 
-- :func:`proportional_split`: an exact integer split of a total proportional to weights under per-part caps
-  (water-filling, then the largest remainders);
+- :func:`proportional_split` (from :mod:`strategies._split`): an exact integer split of a total proportional to
+  weights under per-part caps (water-filling, then the largest remainders);
 - :func:`batch_shares`: examples per data-parallel rank proportional to its speed (a rank's speed is its
   slowest device's), capped by what its memory holds;
 - :func:`stage_layers`: layers per pipeline stage proportional to the stage's speed;
@@ -12,7 +12,7 @@ Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
 - :func:`rank_microbatches`: a pipeline's microbatches per data position proportional to its speed;
 - :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.execution.UnevenData``);
 - :func:`apply_profile`: a plan made uneven for a profile: layers per stage for a pipeline, batch shares for
-  data parallelism;
+  data parallelism, heads and units for a tensor axis whose devices differ (:mod:`strategies.tensor_shares`);
 - :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
   :func:`summary` puts them together for a plan, :func:`profiled_step_time` gives any plan's on a profile.
 
@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-import jax
 import numpy as np
 
 from spmd import Plan, PlanWarning, costmodel, format_bytes, resolve_state
@@ -41,7 +40,9 @@ from spmd.devices import Profile
 from spmd.execution import PipelineSpec, Shares, TensorShares
 from spmd.pipeline import Schedule, simulate
 from spmd.rules import ShardLargest, leaves_with_paths
+from strategies._split import position_name, proportional_split, rank_memory, rank_speeds
 from strategies.pipeline import SCHEDULES, pipeline_schedule
+from strategies.tensor_shares import tensor_position_flops, tensor_step_times, tensor_units, units_split_over
 
 __all__ = [
     "apply_profile",
@@ -57,75 +58,6 @@ __all__ = [
     "summary",
     "uneven_data_parallel",
 ]
-
-
-def proportional_split(
-    total: int, weights: Sequence[float], *, caps: Sequence[int | None] | None = None
-) -> tuple[int, ...]:
-    """Non-negative integers summing to ``total``, proportional to ``weights``, each at most its cap.
-
-    Parts whose proportional share exceeds their cap get the cap and the rest is split again among the others
-    (water-filling); the integer parts then take the floors of their exact shares, and the units left over go to
-    the largest remainders (ties to the lower index), so every part is within one unit of its exact share.
-
-    >>> proportional_split(56, [3, 3, 1, 1, 1, 1, 2, 2])
-    (12, 12, 4, 4, 4, 4, 8, 8)
-    >>> proportional_split(10, [1, 1, 1])  # 3⅓ each: one part takes the leftover unit
-    (4, 3, 3)
-    >>> proportional_split(40, [4, 1, 1, 1, 1], caps=[8, None, None, None, None])  # the fast part is capped
-    (8, 8, 8, 8, 8)
-    """
-    n = len(weights)
-    caps = [None] * n if caps is None else list(caps)
-    if n == 0 or total < 0 or any(w <= 0 for w in weights) or len(caps) != n:
-        raise ValueError(f"proportional_split: need positive weights and one cap (or None) each, got {weights}")
-    room = sum(math.inf if c is None else c for c in caps)
-    if room < total:
-        raise ValueError(
-            f"cannot place {total} units: the caps {caps} hold only {room} in all; lower the batch or give the "
-            f"devices more memory"
-        )
-    exact = [Fraction(0)] * n
-    free, left = set(range(n)), Fraction(total)
-    while free:
-        weight = sum(Fraction(weights[i]) for i in free)
-        over = [i for i in free if caps[i] is not None and left * Fraction(weights[i]) / weight > caps[i]]
-        if not over:
-            for i in free:
-                exact[i] = left * Fraction(weights[i]) / weight
-            break
-        for i in over:
-            exact[i] = Fraction(caps[i])
-            left -= caps[i]
-            free.discard(i)
-    parts = [math.floor(x) for x in exact]
-    order = sorted(range(n), key=lambda i: (-(exact[i] - parts[i]), i))
-    for i in order[: total - sum(parts)]:
-        parts[i] += 1
-    return tuple(parts)
-
-
-def rank_speeds(profile: Profile, mesh_axes: Mapping[str, int], axis: str) -> tuple[float, ...]:
-    """The speed of each position along ``axis``: the slowest of the devices sharing it (they run in step).
-
-    >>> rank_speeds(Profile.from_speeds([3, 3, 1, 1]), {"data": 2, "tensor": 2}, "data")
-    (3.0, 1.0)
-    >>> rank_speeds(Profile.from_speeds([3, 1, 3, 1]), {"data": 2, "tensor": 2}, "data")  # each pairs 3 with 1
-    (1.0, 1.0)
-    """
-    speeds = np.array(profile.speeds).reshape(tuple(mesh_axes.values()))
-    position = list(mesh_axes).index(axis)
-    return tuple(float(x) for x in np.moveaxis(speeds, position, 0).reshape(mesh_axes[axis], -1).min(axis=1))
-
-
-def _rank_memory(profile: Profile, mesh_axes: Mapping[str, int], axis: str) -> tuple[int | None, ...]:
-    memory = profile.memory
-    if all(m is None for m in memory):
-        return (None,) * mesh_axes[axis]
-    grid = np.array([math.inf if m is None else m for m in memory], dtype=float).reshape(tuple(mesh_axes.values()))
-    position = list(mesh_axes).index(axis)
-    least = np.moveaxis(grid, position, 0).reshape(mesh_axes[axis], -1).min(axis=1)
-    return tuple(None if math.isinf(x) else int(x) for x in least)
 
 
 def batch_shares(
@@ -152,13 +84,13 @@ def batch_shares(
     if granularity < 1 or batch % granularity:
         raise ValueError(f"a batch of {batch} cannot be split into microbatches of {granularity}; pick a divisor")
     caps = []
-    for i, memory in enumerate(_rank_memory(profile, mesh_axes, axis)):
+    for i, memory in enumerate(rank_memory(profile, mesh_axes, axis)):
         if memory is None or example_bytes <= 0:
             caps.append(None)
             continue
         if memory <= state_bytes:
             raise ValueError(
-                f"{_named(mesh_axes, axis, i)} has {format_bytes(memory)} of memory but the model state alone "
+                f"{position_name(mesh_axes, axis, i)} has {format_bytes(memory)} of memory but the model state alone "
                 f"needs {format_bytes(state_bytes)} per device; shard the parameters (fsdp, zero3) or use devices "
                 f"with more memory"
             )
@@ -178,23 +110,10 @@ def batch_shares(
             f"so every position has a microbatch of {granularity}, or leave the device out of the mesh"
         )
         raise ValueError(
-            f"{_named(mesh_axes, axis, i)} gets none of the batch of {batch} (shares "
+            f"{position_name(mesh_axes, axis, i)} gets none of the batch of {batch} (shares "
             f"{[granularity * s for s in split]}): {fix}"
         )
     return tuple(granularity * s for s in split)
-
-
-def _named(mesh_axes: Mapping[str, int], axis: str, position: int) -> str:
-    """Position ``position`` along ``axis`` and the devices (in mesh order) that share it.
-
-    >>> _named({"data": 2, "tensor": 2}, "data", 1)
-    'data position 1 (devices 2, 3)'
-    """
-    grid = np.moveaxis(
-        np.arange(math.prod(mesh_axes.values())).reshape(tuple(mesh_axes.values())), list(mesh_axes).index(axis), 0
-    )
-    devices = sorted(int(d) for d in grid[position].reshape(-1))
-    return f"{axis} position {position} (device{'s' if len(devices) > 1 else ''} {', '.join(map(str, devices))})"
 
 
 def stage_layers(
@@ -238,126 +157,14 @@ def rank_microbatches(
         i = counts.index(0)
         least = unit * math.ceil(sum(speeds) / (min(speeds) * len(speeds)))
         raise ValueError(
-            f"{_named(mesh_axes, axis, i)} gets no microbatch of the pipeline's {schedule.microbatches} per data "
-            f"position (split {[unit * c for c in counts]} by speeds {list(speeds)}); give the pipeline at "
+            f"{position_name(mesh_axes, axis, i)} gets no microbatch of the pipeline's {schedule.microbatches} per "
+            f"data position (split {[unit * c for c in counts]} by speeds {list(speeds)}); give the pipeline at "
             f"least {least} microbatches (--microbatches {least}), or leave the device out of the mesh"
         )
     return tuple(
         pipeline_schedule(schedule.name, stages=schedule.stages, microbatches=unit * c, virtual=schedule.virtual)
         for c in counts
     )
-
-
-def tensor_units(
-    params: Any,
-    profile: Profile,
-    mesh_axes: Mapping[str, int],
-    *,
-    axis: str = "tensor",
-    names: Sequence[str] = (),
-    plan: Plan | None = None,
-    workload: costmodel.Workload | None = None,
-) -> TensorShares:
-    """Uneven tensor shares (HAP): each unit dimension of ``names`` (default: ``heads`` and ``mlp``, those the
-    parameters carry) divided over ``axis`` by each position's speed (its slowest device's), as an exact integer
-    split. Given the tensor-parallel ``plan`` and a ``workload``, the split also counts the work every device of
-    the axis does whatever its units (what the plan does not split over it: embeddings, the head, norms), priced
-    by the cost model: position ``j`` takes the share ``x_j`` of the units that makes ``(R + x_j·U) / s_j`` the
-    same everywhere (``R`` that fixed work, ``U`` all units' work), so a slow position takes fewer units than its
-    speed's share, but at least one; without them, units in proportion to speed. A position whose speed's share
-    is no unit is refused, naming its devices.
-
-    >>> import jax
-    >>> from spmd import models
-    >>> params = jax.eval_shape(models.get("gpt-tiny").init, jax.random.key(0))
-    >>> tensor_units(params, Profile.from_speeds([2, 1]), {"tensor": 2}).describe()
-    'uneven tensor shares over tensor: heads [3, 1], mlp [171, 85] per device'
-    """
-    profile.check(math.prod(mesh_axes.values()))
-    if mesh_axes.get(axis, 1) < 2:
-        raise ValueError(f"uneven tensor shares need a {axis!r} axis of two or more devices; the mesh is {mesh_axes}")
-    sizes = _unit_sizes(params, names or (A.HEADS, A.MLP))
-    speeds = rank_speeds(profile, mesh_axes, axis)
-    weights: Sequence[float] = speeds
-    if plan is not None and workload is not None:
-        # Per device: E = R + U/T with every position's even units, R + 2U/T with twice as many.
-        even = _unit_flops(plan, params, mesh_axes, workload, sizes)
-        double = _unit_flops(plan, params, mesh_axes, workload, {n: 2 * k for n, k in sizes.items()})
-        ways = len(speeds)
-        units_work, fixed = ways * (double - even), 2 * even - double
-        step = (units_work + ways * fixed) / sum(speeds)  # the time every position then takes, at unit speed
-        weights = [max(step * x - fixed, 0.0) for x in speeds]
-    units = []
-    for name, size in sizes.items():
-        counts = proportional_split(size, speeds)
-        if weights is not speeds and 0 not in counts:
-            # The fixed work may leave a slow position less than a unit: it keeps one, from the largest.
-            counts = list(proportional_split(size, weights))
-            for i in [i for i, c in enumerate(counts) if c == 0]:
-                counts[i], counts[int(np.argmax(counts))] = 1, max(counts) - 1
-            counts = tuple(counts)
-        if 0 in counts:
-            i = counts.index(0)
-            raise ValueError(
-                f"{_named(mesh_axes, axis, i)} gets none of the model's {size} {name} units (split {list(counts)} by "
-                f"speeds {list(speeds)}); leave the device out of the tensor axis, or split the batch instead "
-                f"(a data axis of one kind per rank)"
-            )
-        units.append((name, counts))
-    return TensorShares(axis, tuple(units))
-
-
-def _unit_sizes(params: Any, names: Sequence[str]) -> dict[str, int]:
-    """The size of each of ``names`` in the parameters' logical dimensions (those they carry)."""
-    sizes: dict[str, int] = {}
-    for leaf in leaves_with_paths(params)[0]:
-        for name in names:
-            if leaf.names and name in leaf.names:
-                sizes.setdefault(name, leaf.shape[leaf.names.index(name)])
-    if not sizes:
-        raise ValueError(f"uneven tensor shares: no parameter carries the logical dimensions {list(names)}")
-    return {n: sizes[n] for n in names if n in sizes}
-
-
-def tensor_position_flops(
-    plan: Plan, params: Any, mesh_axes: Mapping[str, int], workload: costmodel.Workload
-) -> tuple[float, tuple[float, ...]]:
-    """A plan with uneven tensor shares: one device's FLOPs per step under the even split, and at each position
-    of the tensor axis with its own units (the cost model's count for the model whose units are that
-    position's on every device of the axis)."""
-    spec = plan.execution
-    ways = len(spec.of(spec.names[0]))
-    even = _unit_flops(plan, params, mesh_axes, workload, {n: sum(spec.of(n)) for n in spec.names})
-    at = tuple(
-        _unit_flops(plan, params, mesh_axes, workload, {n: ways * spec.of(n)[j] for n in spec.names})
-        for j in range(ways)
-    )
-    return even, at
-
-
-def _unit_flops(
-    plan: Plan, params: Any, mesh_axes: Mapping[str, int], workload: costmodel.Workload, units: Mapping[str, int]
-) -> float:
-    """One device's FLOPs per step under ``plan`` (evenly split) for the model with ``units`` of each name."""
-    widened = _with_units(params, units)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PlanWarning)
-        rows = dataclasses.replace(plan, execution=None).resolve(widened, mesh_axes).leaves
-    return costmodel.flops_per_device(rows, plan, mesh_axes, workload)
-
-
-def _with_units(params: Any, units: Mapping[str, int]) -> Any:
-    """Abstract ``params`` with each logical dimension of ``units`` that size."""
-
-    def one(leaf: Any) -> Any:
-        if not hasattr(leaf, "names") or not any(n in units for n in leaf.names):
-            return leaf
-        shape = tuple(
-            units.get(n, d) if isinstance(n, str) else d for n, d in zip(leaf.names, leaf.value.shape, strict=True)
-        )
-        return leaf.replace(value=jax.ShapeDtypeStruct(shape, leaf.value.dtype))
-
-    return jax.tree.map(one, params, is_leaf=lambda x: hasattr(x, "names") and hasattr(x, "value"))
 
 
 def kind_order(profile: Profile, mesh_axes: Mapping[str, int], *, outer: str | None = None) -> tuple[int, ...]:
@@ -517,11 +324,7 @@ def summary(
     elif isinstance(spec, TensorShares):
         if tensor_flops is None:
             raise ValueError("summary: uneven tensor shares are priced from tensor_flops (tensor_position_flops)")
-        even_flops, at = tensor_flops
-        relative = [x / max(profile.speeds) for x in rank_speeds(profile, mesh_axes, spec.axis)]
-        t_even = max(even_flops / rate / r for r in relative) + modelled.comm_s
-        t = max(f / rate / r for f, r in zip(at, relative, strict=True)) + modelled.comm_s
-        times = {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(relative) / (len(at) * min(relative))}
+        times = tensor_step_times(spec, profile, mesh_axes, tensor_flops, rate, modelled.comm_s)
         out["tensor_units"] = {n: list(spec.of(n)) for n in spec.names}
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
@@ -616,7 +419,7 @@ def apply_profile(
                 _require_whole_over_data(plan, params, mesh_axes)
                 spec = dataclasses.replace(spec, data_schedules=rank_microbatches(spec.schedule, profile, mesh_axes))
         return dataclasses.replace(plan, execution=spec)
-    split = _units_split_over(plan, params, mesh_axes, "tensor")
+    split = units_split_over(plan, params, mesh_axes, "tensor")
     if split and len(set(rank_speeds(profile, mesh_axes, "tensor"))) > 1:
         # The tensor axis's positions differ in speed (its groups mix kinds, as the kinds' counts leave them):
         # each position computes heads and hidden units in proportion to its speed.
@@ -676,17 +479,6 @@ def _require_whole_over_data(plan: Plan, params: Any, mesh_axes: Mapping[str, in
             f"split the parameters over an axis of their own (pp+dp+fsdp on stage, data and fsdp), or keep "
             f"the data positions even (--even)"
         )
-
-
-def _units_split_over(plan: Plan, params: Any, mesh_axes: Mapping[str, int], axis: str) -> tuple[str, ...]:
-    """The unit dimensions (``heads``, ``mlp``) that ``plan`` splits over ``axis`` alone (tensor parallelism's)."""
-    if mesh_axes.get(axis, 1) < 2:
-        return ()
-    with warnings.catch_warnings():  # the step resolves the layout again, and warns there
-        warnings.simplefilter("ignore", PlanWarning)
-        rows = plan.resolve(params, mesh_axes).leaves
-    split = {n for r in rows for n, e in zip(r.names or (), r.spec, strict=False) if e == axis}
-    return tuple(n for n in (A.HEADS, A.MLP) if n in split)
 
 
 def _stacked_layers(params: Any) -> int:

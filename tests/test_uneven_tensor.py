@@ -15,7 +15,7 @@ import strategies
 from spmd import costmodel, data, models
 from spmd.devices import Profile
 from spmd.execution import TensorShares, UnevenTensor
-from strategies import hetero
+from strategies import hetero, tensor_shares
 from tests.conftest import run_checked, run_cli, train_steps
 
 
@@ -40,7 +40,7 @@ def test_slow_tensor_devices_hold_and_compute_fewer_units_and_the_step_equals_on
     batch = data.batch(0, 0, 8, model.config.seq_len, model.config.vocab)
     report = spmd.report(step, batch)
     assert report.execution.figures["units"] == {"heads": [3, 1], "mlp": [184, 72]}
-    even, at = hetero.tensor_position_flops(plan, params, sizes, workload)
+    even, at = tensor_shares.tensor_position_flops(plan, params, sizes, workload)
     np.testing.assert_allclose(report.compiled_flops_by_position, at, rtol=1e-6)
     assert report.compiled_flops == report.compiled_flops_by_position[0] == report.flops_per_device
     assert at[1] < 0.6 * at[0] and at[1] < even < at[0]

@@ -8,7 +8,7 @@ from typing import Any
 from spmd import Report, costmodel
 from spmd.cli.setup import Setup
 from spmd.execution import TensorShares
-from strategies import hetero
+from strategies import hetero, tensor_shares
 
 __all__ = ["figures", "text"]
 
@@ -21,7 +21,7 @@ def figures(s: Setup, report: Report) -> dict[str, Any]:
     tensor = None
     if isinstance(s.plan.execution, TensorShares):  # each tensor position's FLOPs with its own units
         workload = costmodel.Workload(s.batch_size, s.model.config.seq_len)
-        tensor = hetero.tensor_position_flops(s.plan, s.params, dict(s.mesh.shape), workload)
+        tensor = tensor_shares.tensor_position_flops(s.plan, s.params, dict(s.mesh.shape), workload)
     return hetero.summary(
         s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time,
         layers, tensor_flops=tensor,
