@@ -8,16 +8,19 @@ and a pipeline two ways (stage=4 × data=2, 1F1B: layers per stage; stage=2 × d
 on one data position's stages: microbatches per data position), tensor parallelism with each tensor pair a fast
 and a slow device (data=4 × tensor=2: heads and hidden units per tensor position by its speed, HAP's uneven
 sharding), and prints the modelled step time of the even plan
-and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s). Then the planner's pick
-(``strategies.suggest.rank`` with the profile, every composition of up to 2-way tensor parallelism) against the
-best even plan on the same devices, which the slowest device paces. Nothing is compiled: the plans are laid out
-on abstract parameters (8 emulated devices) and priced by the cost model, with the fastest kind as
-``--device-kind``.
+and of the uneven one, their ratio, the ideal ratio Σs / (N · min s), and the bound the cost model leaves
+(``hetero.speedup_bound``: the compute shrunk by the ideal ratio, the communication unchanged). Then the
+planner's pick (``strategies.suggest.rank`` with the profile: every composition of up to 2-way tensor
+parallelism, and pipelines of 2 and 4 stages under 1F1B and ZB-H1 with 2 and 4 microbatches a stage, priced
+by their executor) against the best even plan on the same devices, which the slowest device paces. Nothing is
+compiled: the plans are laid out on abstract parameters (8 emulated devices) and priced by the cost model, with
+the fastest kind as ``--device-kind``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Any
 
@@ -54,22 +57,39 @@ def main() -> None:
     workload = costmodel.Workload(args.batch_size, model.config.seq_len)
     abstract = jax.eval_shape(model.init, jax.random.key(0))
 
-    def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
-        mesh = spmd.make_mesh(axes)
-        step = spmd.TrainStep(
-            models.loss_fn(model), optimizer, plan, mesh, params=abstract, staged=model.staged,
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), "int32")}
+
+    def step_for(plan: spmd.Plan, axes: dict[str, int]) -> spmd.TrainStep:
+        return spmd.TrainStep(
+            models.loss_fn(model), optimizer, plan, spmd.make_mesh(axes), params=abstract, staged=model.staged,
             narrow=lambda sizes: models.loss_fn(models.narrowed(model, sizes)),
         )  # fmt: skip
-        layout = step.layout
-        flops = costmodel.flops_per_device(layout.params.leaves, plan, axes, workload)
-        traffic = costmodel.traffic(layout, plan, axes, workload)
-        return step, flops, costmodel.step_time(flops, traffic, hardware, axes)
+
+    def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
+        """A plan's step, and the cost model's FLOPs and step per device at the fastest device's speed, with
+        what its executor adds (a pipeline's sends between stages): its compute without the executor's bubble,
+        which ``hetero.summary`` simulates at each device's own speed instead."""
+        step = step_for(plan, axes)
+        costs = step.executor.costs(step.layout, batch, workload)
+        estimate = costmodel.estimate_layout(step.layout, plan, axes, workload, hardware, costs)
+        busy = dataclasses.replace(estimate.time, compute_s=estimate.time.compute_s / costs.compute_factor)
+        return step, estimate.flops, busy
+
+    @functools.cache
+    def costs_of(axes: tuple[tuple[str, int], ...], plan: spmd.Plan) -> tuple[Any, costmodel.Contribution]:
+        step = step_for(plan, dict(axes))
+        return step.layout, step.executor.costs(step.layout, batch, workload)
+
+    def executor_costs(axes: dict[str, int], plan: spmd.Plan) -> tuple[Any, costmodel.Contribution]:
+        """A pipeline's stored layout and what its executor adds to the estimate (the planner's ``price``): the
+        even plans recur on every cluster."""
+        return costs_of(tuple(axes.items()), plan)
 
     table = Table(
         title=f"{args.model}, batch {args.batch_size}, 8 devices, fastest = {args.device_kind}: modelled step time",
         title_justify="left",
     )
-    for col in ("cluster", "plan", "split", "even", "uneven", "speedup", "ideal", "speedup / ideal"):
+    for col in ("cluster", "plan", "split", "even", "uneven", "speedup", "ideal", "bound", "speedup / ideal"):
         table.add_column(col, justify="left" if col in ("cluster", "plan", "split") else "right")
     for cluster, speeds in CLUSTERS.items():
         profile = spmd.devices.Profile.from_speeds(speeds)
@@ -107,7 +127,7 @@ def main() -> None:
         at = tensor_shares.tensor_position_flops(tp_plan, abstract, tp_axes, workload)
         tp = hetero.summary(tp_plan, tp_axes, mixed, args.batch_size, flops, modelled, tensor_flops=at)
         units = ", ".join(f"{n} {u}" for n, u in tp["tensor_units"].items())
-        picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile)
+        picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile, executor_costs)
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
             ("dp+fsdp, data=4 × fsdp=2", *picked(("dp+fsdp", {"data": 4, "fsdp": 2}))),
@@ -125,20 +145,34 @@ def main() -> None:
                 f"{t['hetero'] * 1e3:.3g} ms",
                 f"{info['simulated_speedup']:.3f}",
                 f"{info['ideal_speedup']:.3f}",
+                f"{info['speedup_bound']:.3f}" if "speedup_bound" in info else "-",
                 f"{info['simulated_speedup'] / info['ideal_speedup']:.3f}",
             )
     Console().print(table)
 
 
+_EVEN: dict[str, list] = {}
+
+
 def _picked(
-    suggest: Any, params: Any, workload: Any, hardware: Any, optimizer: Any, profile: Any, only: Any = None
+    suggest: Any,
+    params: Any,
+    workload: Any,
+    hardware: Any,
+    optimizer: Any,
+    profile: Any,
+    price: Any,
+    only: Any = None,
 ) -> tuple[dict, str]:
     """The planner's pick on the profile's devices (``only``: of that strategy on that mesh, its best microbatch
     and policies) against the best even plan on them, which the slowest device paces: the figures as
     ``hetero.summary`` gives them, and the pick's mesh, strategy, split and microbatch."""
     options = {"devices": 8, "memory_per_device": 80 << 30, "optimizer": optimizer, "max_tensor": 2}
+    options |= {"stages": (1, 2, 4), "schedules": ("1f1b", "zb-h1"), "microbatches_per_stage": (2, 4), "price": price}
     ranked, _ = suggest.rank(params, workload, hardware, **options, profile=profile)
-    even, _ = suggest.rank(params, workload, hardware, **options)
+    if "even" not in _EVEN:  # the planner's ranking on devices of one kind: the same for every cluster
+        _EVEN["even"] = suggest.rank(params, workload, hardware, **options)[0]
+    even = _EVEN["even"]
     if only is not None:
         ranked, even = ([s for s in r if (s.strategy, s.mesh) == only] for r in (ranked, even))
     pace = max(profile.speeds) / min(profile.speeds)
@@ -152,10 +186,17 @@ def _picked(
     }
     mesh = ",".join(f"{k}={v}" for k, v in best.mesh.items())
     shares = getattr(best.plan.execution, "shares", None)
-    micro = f", microbatch {best.plan.execution.microbatch}" if shares else ""
-    return info, (f"{best.strategy} on {mesh}, " if only is None else "") + (
-        f"shares {list(shares)}{micro}" if shares else "even"
-    )
+    split = best.to_dict()
+    if shares:
+        split = f"shares {list(shares)}, microbatch {best.plan.execution.microbatch}"
+    elif split.get("layers_per_stage") or split.get("rank_microbatches"):
+        layers, ranks = split.get("layers_per_stage"), split.get("rank_microbatches")
+        split = f"{split['schedule']}, " + ", ".join(
+            ([f"layers {layers}"] if layers else []) + ([f"microbatches per data position {ranks}"] if ranks else [])
+        )
+    else:
+        split = "even"
+    return info, (f"{best.strategy} on {mesh}, " if only is None else "") + split
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ Pure functions of a :class:`spmd.devices.Profile` and the mesh sizes:
   slowest device's), capped by what its memory holds;
 - :func:`stage_layers`: layers per pipeline stage proportional to the stage's speed;
 - :func:`kind_order`: a device order that keeps every group along the inner mesh axes (tensor parallelism, a
-  pipeline's stages of one data position) inside one device kind;
+  pipeline's stages of one data position) inside one device kind; :func:`device_order`, the order a run lays
+  the devices out in (and the planner prices);
 - :func:`rank_microbatches`: a pipeline's microbatches per data position proportional to its speed;
 - :func:`uneven_data_parallel`: the plan part that runs the shares (see ``spmd.execution.UnevenData``);
 - :func:`apply_profile`: a plan made uneven for a profile: layers per stage for a pipeline, batch shares for
   data parallelism, heads and units for a tensor axis whose devices differ (:mod:`strategies.tensor_shares`);
 - :func:`modelled_step_times`, :func:`pipeline_step_times`: the step time of the even and the uneven split;
-  :func:`summary` puts them together for a plan, :func:`profiled_step_time` gives any plan's on a profile.
+  :func:`summary` puts them together for a plan, :func:`profiled_step_time` gives any plan's on a profile,
+  and :func:`speedup_bound` the most that communication leaves an uneven split.
 
 >>> from spmd.devices import Profile
 >>> from strategies import hetero
@@ -47,6 +49,7 @@ from strategies.tensor_shares import tensor_position_flops, tensor_step_times, t
 __all__ = [
     "apply_profile",
     "batch_shares",
+    "device_order",
     "kind_order",
     "modelled_step_times",
     "pipeline_step_times",
@@ -55,6 +58,7 @@ __all__ = [
     "rank_microbatches",
     "rank_speeds",
     "stage_layers",
+    "speedup_bound",
     "summary",
     "uneven_data_parallel",
 ]
@@ -165,6 +169,35 @@ def rank_microbatches(
         pipeline_schedule(schedule.name, stages=schedule.stages, microbatches=unit * c, virtual=schedule.virtual)
         for c in counts
     )
+
+
+def device_order(profile: Profile, mesh_axes: Mapping[str, int], *, pipelined: bool = False) -> tuple[int, ...]:
+    """The order in which the devices of ``profile`` fill the mesh (what ``spmd run`` lays out and the planner
+    prices): on one axis, or of one kind, as given. Otherwise devices of one kind together (:func:`kind_order`),
+    so that the groups along the inner axes (tensor parallelism's) stay inside one kind. A pipeline keeps the
+    order given where its groups inside a stage and data position (tensor's, FSDP's) are of one kind already:
+    its stages take layers, and its data positions microbatches, by the speeds of the devices the order places
+    there; else each data position takes devices of one kind.
+
+    >>> device_order(Profile.from_speeds([2, 1, 2, 1]), {"data": 2, "tensor": 2})  # tensor pairs of one kind
+    (0, 2, 1, 3)
+    >>> device_order(Profile.from_speeds([2, 1, 2, 1]), {"stage": 2, "data": 2}, pipelined=True)  # as given
+    (0, 1, 2, 3)
+    """
+    given = tuple(range(len(profile.devices)))
+    if len(set(profile.kinds)) == 1 or len(mesh_axes) == 1:
+        return given
+    if not pipelined:
+        return kind_order(profile, mesh_axes)
+    inner = [a for a in mesh_axes if a not in ("stage", "data")]
+    if not inner:
+        return given
+    kinds = np.array(profile.kinds).reshape(tuple(mesh_axes.values()))
+    cells = np.moveaxis(kinds, [list(mesh_axes).index(a) for a in inner], range(-len(inner), 0))
+    cells = cells.reshape(-1, math.prod(mesh_axes[a] for a in inner))
+    if all(len(set(cell)) == 1 for cell in cells):
+        return given
+    return kind_order(profile, mesh_axes, outer="data" if "data" in mesh_axes else None)
 
 
 def kind_order(profile: Profile, mesh_axes: Mapping[str, int], *, outer: str | None = None) -> tuple[int, ...]:
@@ -315,9 +348,10 @@ def summary(
         total = sum(layers)
         even = (total // len(layers),) * len(layers) if total % len(layers) == 0 else layers
         # One layer's F, B or W for one microbatch on one device: a device's FLOPs (the busiest data
-        # position's) over 3 · its stage's layers · microbatches, the layers taken as even.
+        # position's) over 3 · its layers · microbatches. The plan's layout stores every stage padded to the
+        # most layers, so the FLOPs counted on it are a device of the deepest stage's: v chunks of that many.
         s = spec.busiest
-        layer_s = flops_per_device * s.stages / (3 * total * s.microbatches) / rate
+        layer_s = flops_per_device / (3 * s.virtual * max(layers) * s.microbatches) / rate
         times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, modelled.comm_s)
         out["layers_per_stage"] = list(layers)
         out["rank_microbatches"] = list(spec.rank_microbatches) if spec.data_schedules else None
@@ -343,8 +377,25 @@ def summary(
         "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
         "simulated_speedup": times["speedup"],
         "ideal_speedup": times["ideal"],
+        "speedup_bound": speedup_bound(times["even"], modelled.comm_s, times["ideal"]),
         "device_speeds": list(profile.speeds),
     }
+
+
+def speedup_bound(even_s: float, comm_s: float, ideal: float) -> float:
+    """The most an uneven split can gain on the cost model's step: its compute shrunk by the ``ideal`` ratio,
+    its communication ``comm_s`` unchanged. The hardware model overlaps nothing (compute, then communication),
+    and an uneven split moves what the even one moves (under data parallelism a rank's gradients are reduced
+    whole once its loop over its share has ended, so the program has nothing to overlap them with either), so
+    ``(T + C) / (T / ideal + C)`` bounds the speedup below the ideal whenever there is communication: ``even_s``
+    is ``T + C``. Work that does not split (the units' fixed work, a pipeline's fill and drain) lowers it more.
+
+    >>> speedup_bound(3.0, 1.0, 2.0)  # 2 s of compute and 1 s of communication: (2 + 1) / (1 + 1)
+    1.5
+    >>> speedup_bound(3.0, 0.0, 2.0)  # compute alone: the ideal
+    2.0
+    """
+    return even_s / ((even_s - comm_s) / ideal + comm_s)
 
 
 def profiled_step_time(
@@ -356,11 +407,14 @@ def profiled_step_time(
     *,
     params: Any = None,
     workload: costmodel.Workload | None = None,
+    compute_factor: float = 1.0,
 ) -> float:
     """``plan``'s modelled step on the devices of ``profile``, from the cost model's ``estimate`` (priced at the
     fastest device's speed): the uneven split's (:func:`summary`) for a plan with batch shares, a pipeline
     with layers per stage or data schedules, or uneven tensor shares (priced from ``params`` and
     ``workload``); otherwise every device does the same work, and the slowest paces the step.
+    ``compute_factor``: the bubble the estimate's compute includes (a pipeline executor's contribution), which
+    the summary's simulation of each device's schedule at its own speed replaces.
 
     >>> import jax, optax
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), "float32")}
@@ -373,7 +427,8 @@ def profiled_step_time(
     t = estimate.time
     spec = plan.execution
     if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and (spec.layers_per_stage or spec.data_schedules)):
-        return summary(plan, mesh_axes, profile, batch, estimate.flops, t)["simulated_step_time"]["hetero"]
+        busy = dataclasses.replace(t, compute_s=t.compute_s / compute_factor)
+        return summary(plan, mesh_axes, profile, batch, estimate.flops, busy)["simulated_step_time"]["hetero"]
     if isinstance(spec, TensorShares):
         if params is None or workload is None:
             raise ValueError("profiled_step_time: uneven tensor shares are priced from params= and workload=")

@@ -23,9 +23,9 @@ from typing import Any
 
 from spmd import Plan, PlanError, Precision, Remat, costmodel, format_bytes, resolve_state
 from spmd.devices import Profile
-from spmd.execution import Shares, TensorShares, UnevenTensor
-from strategies import Context, ContextOptions, from_names
-from strategies.hetero import profiled_step_time, rank_speeds
+from spmd.execution import PipelineSpec, Shares, TensorShares, UnevenTensor
+from strategies import Context, ContextOptions, PipelineOptions, from_names
+from strategies.hetero import device_order, profiled_step_time, rank_speeds
 
 # The data-parallel stages tried on a mesh whose data-parallel devices all sit on the data axis.
 _DATA_STAGES = ("dp", "zero1", "zero2", "zero3", "osdp")
@@ -74,10 +74,23 @@ class Suggestion:
             "modelled_step_on_profile_s": self.profiled_s,
             "batch_shares": list(self.plan.execution.shares) if isinstance(self.plan.execution, Shares) else None,
             "tensor_units": dict(self.plan.execution.units) if isinstance(self.plan.execution, TensorShares) else None,
+            **_pipeline_split(self.plan.execution),
             "compiled_memory": self.compiled_memory,
             "compiled_comm_bytes": self.compiled_comm_bytes,
             "confirmed": self.confirmed,
         }
+
+
+def _pipeline_split(spec: Any) -> dict[str, Any]:
+    """A pipeline's schedule, microbatches, layers per global stage and its data positions' microbatches."""
+    if not isinstance(spec, PipelineSpec):
+        return {}
+    return {
+        "schedule": spec.schedule.name,
+        "microbatches": spec.schedule.microbatches,
+        "layers_per_stage": list(spec.layers_per_stage) if spec.layers_per_stage else None,
+        "rank_microbatches": list(spec.rank_microbatches) if spec.data_schedules else None,
+    }
 
 
 def _divisors(n: int) -> list[int]:
@@ -85,27 +98,47 @@ def _divisors(n: int) -> list[int]:
 
 
 def compositions(
-    devices: int, *, max_tensor: int = 8, contexts: Sequence[int] = (1,)
+    devices: int, *, max_tensor: int = 8, contexts: Sequence[int] = (1,), stages: Sequence[int] = (1,)
 ) -> Iterator[tuple[dict[str, int], str]]:
     """Every (mesh, strategy) tried for ``devices``: the data-parallel devices as one ``data`` axis (DP, ZeRO-1/2/3,
     OSDP) or as ``data`` × ``fsdp`` (HSDP), times a ``context`` axis of each size in ``contexts`` (the sequence
     split over it, cp), times a ``tensor`` axis of up to ``max_tensor`` devices (tensor or sequence parallel)
     placed innermost, on the fastest links, with the context axis next to it (its exchanges run every layer).
+    Each size in ``stages`` above 1 adds pipelines over a ``stage`` axis (pp), outermost or inside the ``data``
+    axis (a data position's stages on neighbouring devices: on a device profile, a position of one kind can
+    take microbatches by its speed), each stage's devices data-parallel (dp, or dp+fsdp) and tensor-parallel as
+    above, without a context axis.
 
     >>> [s for m, s in compositions(4, max_tensor=2) if m.get("tensor", 1) == 2]
     ['dp+tp', 'dp+sp', 'zero1+tp', 'zero1+sp', 'zero2+tp', 'zero2+sp', 'zero3+tp', 'zero3+sp', 'osdp+tp', 'osdp+sp']
     >>> [(m, s) for m, s in compositions(4, max_tensor=1, contexts=(2, 4)) if s in ("dp+cp", "cp")]
     [({'data': 2, 'context': 2}, 'dp+cp'), ({'context': 4}, 'cp')]
+    >>> [(m, s) for m, s in compositions(4, max_tensor=2, stages=(2,)) if s == "pp+dp" or "tensor" in m][:3]
+    [({'stage': 2, 'data': 2}, 'pp+dp'), ({'data': 2, 'stage': 2}, 'pp+dp'), ({'stage': 2, 'tensor': 2}, 'pp+tp')]
     """
-    for context in contexts:
-        for tensor in _divisors(devices // context if devices % context == 0 else 0):
-            if tensor > max_tensor:
-                break
-            yield from _compositions(devices // (context * tensor), context, tensor)
+    for stage in stages:
+        if devices % stage:
+            continue
+        for context in contexts if stage == 1 else (1,):
+            within = devices // stage
+            for tensor in _divisors(within // context if within % context == 0 else 0):
+                if tensor > max_tensor:
+                    break
+                for mesh, strategy in _compositions(within // (context * tensor), context, tensor, stage > 1):
+                    if stage == 1:
+                        yield mesh, strategy
+                        continue
+                    strategy = "+".join(filter(None, ("pp", strategy)))
+                    yield {"stage": stage} | mesh, strategy
+                    if "data" in mesh:  # each data position's stages on neighbouring devices
+                        yield {"data": mesh["data"], "stage": stage} | mesh, strategy
 
 
-def _compositions(rest: int, context: int, tensor: int) -> Iterator[tuple[dict[str, int], str]]:
-    """The compositions with ``rest`` data-parallel devices outside a ``context`` and a ``tensor`` axis."""
+def _compositions(
+    rest: int, context: int, tensor: int, pipelined: bool = False
+) -> Iterator[tuple[dict[str, int], str]]:
+    """The compositions with ``rest`` data-parallel devices outside a ``context`` and a ``tensor`` axis (inside a
+    pipeline's stage: data parallelism, with FSDP over an axis of its own or not)."""
     # sp splits the sequence over the tensor axis, which cp already splits over its own: only tp joins cp.
     tails = [("tensor", tensor, t) for t in ("tp", "sp") if t == "tp" or context == 1] if tensor > 1 else []
     tails = tails or [(None, 1, None)]
@@ -113,10 +146,10 @@ def _compositions(rest: int, context: int, tensor: int) -> Iterator[tuple[dict[s
     cp = "cp" if context > 1 else None
     shapes: list[tuple[dict[str, int], list[str]]] = []
     if rest > 1:
-        shapes.append(({"data": rest}, list(_DATA_STAGES)))
+        shapes.append(({"data": rest}, ["dp"] if pipelined else list(_DATA_STAGES)))
         for fsdp in _divisors(rest)[1:-1]:
             shapes.append(({"data": rest // fsdp, "fsdp": fsdp}, ["dp+fsdp"]))
-    elif tensor > 1 or context > 1:
+    elif tensor > 1 or context > 1 or pipelined:
         shapes.append(({}, [""]))
     for axes, stages in shapes:
         for stage in stages:
@@ -142,6 +175,10 @@ def rank(
     context_options: ContextOptions | None = None,
     profile: Profile | None = None,
     microbatch: int = 1,
+    stages: Sequence[int] = (1,),
+    schedules: Sequence[str] = ("1f1b",),
+    microbatches_per_stage: Sequence[int] = (2,),
+    price: Callable[[Mapping[str, int], Plan], tuple[Any, costmodel.Contribution]] | None = None,
 ) -> tuple[list[Suggestion], list[str]]:
     """All compositions the model allows, fitting ones first, each group fastest first by modelled step time;
     and one line per composition that could not be planned (a dimension no axis divides, a batch too small).
@@ -153,7 +190,13 @@ def rank(
     resolved once: a policy changes what a device keeps, moves and computes, not where arrays live. Each size
     in ``contexts`` above 1 adds the compositions that split the sequence over a ``context`` axis (cp, with
     head-tail load balancing: the sequence must split into two half-chunks per device), by ``context_options``,
-    each with the parameters replicated over that axis and split over it (flag ``--cp-shard-params``).
+    each with the parameters replicated over that axis and split over it (flag ``--cp-shard-params``). Each size
+    in ``stages`` above 1 adds pipelines (pp) over a ``stage`` axis, each under every one of ``schedules`` with
+    each of ``microbatches_per_stage`` times the stages' microbatches, under the plan's own remat policy (a
+    pipeline keeps what its slots hold). A pipeline's layout (its stacked stages) and what its schedule costs
+    (the bubble, the sends between stages, the slots) come from its executor: ``price(mesh, plan)`` returns the
+    ``(layout, contribution)`` of a :class:`spmd.TrainStep` built for it (``step.layout`` and
+    ``step.executor.costs``), which a model without stacked layers refuses (the composition is skipped).
 
     >>> import jax, optax
     >>> from spmd import costmodel
@@ -163,47 +206,126 @@ def rank(
     >>> [(s.strategy, s.fits) for s in ranked], skipped
     ([('zero3', True), ('osdp', True), ('dp', False), ('zero2', False), ('zero1', False), ('dp+fsdp', False)], [])
     """
-    plain = Context(params, workload, hardware, optimizer, memory_per_device)
-    uneven = dataclasses.replace(plain, profile=profile, microbatch=microbatch)
-    out, skipped = [], []
-    for mesh, strategy in compositions(devices, max_tensor=max_tensor, contexts=contexts):
+    if any(n > 1 for n in stages) and price is None:
+        raise ValueError("suggest.rank prices pipelines by their executor: pass price=(mesh, plan) -> (layout, costs)")
+    search = _Search(
+        Context(params, workload, hardware, optimizer, memory_per_device), profile, microbatch, remat, remats,
+        accumulations, precisions, context_options, price,
+    )  # fmt: skip
+    out: list[Suggestion] = []
+    skipped: list[str] = []
+    tried = compositions(devices, max_tensor=max_tensor, contexts=contexts, stages=stages)
+    for (mesh, strategy), pipe in _with_pipelines(tried, schedules, microbatches_per_stage):
+        search.add(mesh, strategy, pipe, out, skipped)
+    out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
+    return out, list(dict.fromkeys(skipped))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """What :func:`rank` tries every composition under: the plain context (the model, workload, hardware,
+    optimizer and budget), the device profile and its microbatch, the remat policy that replaces every plan's
+    (or None), the policies searched, the cp options, and the pricing of an executed plan."""
+
+    plain: Context
+    profile: Profile | None
+    microbatch: int
+    remat: Remat | None
+    remats: Sequence[Remat | str]
+    accumulations: Sequence[int]
+    precisions: Sequence[Precision | None]
+    context_options: ContextOptions | None
+    price: Callable[[Mapping[str, int], Plan], tuple[Any, costmodel.Contribution]] | None
+
+    def add(
+        self,
+        mesh: dict[str, int],
+        strategy: str,
+        pipe: tuple[PipelineOptions | None, tuple[str, ...]],
+        out: list[Suggestion],
+        skipped: list[str],
+    ) -> None:
+        """Appends to ``out`` each plan of ``strategy`` on ``mesh`` (under each of the options tried) with its
+        estimate, and to ``skipped`` why one could not be planned."""
+        (options, pipe_flags), ctx = pipe, self.plain
+        workload = ctx.workload
         shown = ",".join(f"{k}={v}" for k, v in mesh.items())
         ways = mesh.get("data", 1) * mesh.get("fsdp", 1)
-        if workload.batch % ways:
-            skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {ways} ways")
-            continue
-        usable = [k for k in accumulations if workload.batch % (k * ways) == 0]
-        # A profile gives the data-parallel ranks uneven shares, and a tensor axis whose positions differ in
-        # speed uneven heads and units; a plan with neither stays even.
-        base = uneven if profile is not None and (mesh.get("data", 1) > 1 or _tensor_differs(profile, mesh)) else plain
-        for ctx, options, split_flags in _tried(strategy, context_options, base, workload.batch, ways, profile):
+        if workload.batch % (ways * (options.microbatches if options is not None else 1)):
+            what = f"{ways} ways" if options is None else f"{ways} ways into {options.microbatches} microbatches each"
+            skipped.append(f"{strategy} on {shown}: batch {workload.batch} does not split {what}")
+            return
+        usable = [k for k in self.accumulations if workload.batch % (k * ways) == 0] if options is None else [1]
+        # The devices fill the mesh in the order spmd run lays them out in.
+        profile = self.profile
+        if profile is not None:
+            profile = profile.reordered(device_order(profile, mesh, pipelined="stage" in mesh))
+        # A profile gives the data-parallel ranks uneven shares, a pipeline's stages uneven layers, and a tensor
+        # axis whose positions differ in speed uneven heads and units; a plan with none of them stays even.
+        varied = mesh.get("data", 1) > 1 or "stage" in mesh or _tensor_differs(profile, mesh)
+        if profile is not None and varied:
+            ctx = dataclasses.replace(ctx, profile=profile, microbatch=self.microbatch)
+        for context, cp, split_flags in _tried(strategy, self.context_options, ctx, workload.batch, ways, profile):
             try:
-                plan = from_names(strategy, mesh, context=ctx, context_options=options)
-                plan = plan if remat is None else dataclasses.replace(plan, remat=remat)
+                plan = from_names(strategy, mesh, context=context, context_options=cp, pipeline_options=options)
+                plan = plan if self.remat is None else dataclasses.replace(plan, remat=self.remat)
                 plan.check_mesh(mesh)
                 if plan.context is not None:  # the sequence must split over the context axis
                     plan.context.check_length(workload.seq_len, mesh[plan.context.axis], "a sequence")
-                layout = resolve_state(plan, _stored(plan, params), optimizer, mesh)
+                # The mesh's axis order too: it places the devices (a dict's equality would not see it).
+                key = (tuple(mesh.items()), plan.parts, plan.remat, plan.execution)
+                if any((tuple(s.mesh.items()), s.plan.parts, s.plan.remat, s.plan.execution) == key for s in out):
+                    continue  # osdp that shards nothing is the data-parallel plan again
+                looped = usable if not isinstance(plan.execution, Shares) else [1]  # shares loop over microbatches
+                priced = list(self._priced(plan, mesh, looped))
             except (PlanError, ValueError) as e:
                 skipped.append(f"{strategy} on {shown}: {' '.join(str(e).split())}")
                 continue
-            key = (mesh, plan.parts, plan.remat, plan.execution)
-            if any((s.mesh, s.plan.parts, s.plan.remat, s.plan.execution) == key for s in out):
-                continue  # osdp that shards nothing is the data-parallel plan again
-            looped = usable if not isinstance(plan.execution, Shares) else [1]  # shares loop over microbatches
-            for variant, flags in _variants(plan, remats, looped, precisions):
-                est = costmodel.estimate_layout(layout, variant, mesh, workload, hardware)
-                fits = est.memory_bytes <= memory_per_device
-                on = (
-                    None
-                    if profile is None
-                    else profiled_step_time(
-                        variant, mesh, profile, workload.batch, est, params=params, workload=workload
+            for variant, flags, layout, contribution in priced:
+                est = costmodel.estimate_layout(layout, variant, mesh, workload, ctx.hardware, contribution)
+                on = None
+                if profile is not None:
+                    on = profiled_step_time(
+                        variant, mesh, profile, workload.batch, est, params=ctx.params, workload=workload,
+                        compute_factor=contribution.compute_factor,
+                    )  # fmt: skip
+                fits = est.memory_bytes <= ctx.memory_per_device
+                out.append(
+                    Suggestion(
+                        mesh, strategy, variant, est, fits, flags=pipe_flags + split_flags + flags, profiled_s=on
                     )
                 )
-                out.append(Suggestion(mesh, strategy, variant, est, fits, flags=split_flags + flags, profiled_s=on))
-    out.sort(key=lambda s: (not s.fits, s.step_s, s.plan.accumulate, s.estimate.flops))
-    return out, list(dict.fromkeys(skipped))
+
+    def _priced(
+        self, plan: Plan, mesh: Mapping[str, int], accumulations: Sequence[int]
+    ) -> Iterator[tuple[Plan, tuple[str, ...], Any, costmodel.Contribution]]:
+        """Each policy variant of ``plan`` with its flags, its state's layout and what its execution
+        contributes: SPMD plans share one layout (a policy changes what a device keeps, moves and computes, not
+        where arrays live); a pipeline's come from its executor (``price``), under the plan's own remat
+        policy."""
+        if isinstance(plan.execution, PipelineSpec):
+            for variant, flags in _variants(plan, (), accumulations, self.precisions):
+                yield variant, flags, *self.price(mesh, variant)
+            return
+        layout = resolve_state(plan, _stored(plan, self.plain.params), self.plain.optimizer, mesh)
+        for variant, flags in _variants(plan, self.remats, accumulations, self.precisions):
+            yield variant, flags, layout, costmodel.Contribution()
+
+
+def _with_pipelines(
+    tried: Iterator[tuple[dict[str, int], str]], schedules: Sequence[str], per_stage: Sequence[int]
+) -> Iterator[tuple[tuple[dict[str, int], str], tuple[PipelineOptions | None, tuple[str, ...]]]]:
+    """Each composition with the pipeline options it is tried under (None for one without a pipeline) and the
+    ``spmd run`` flags that ask for them (none for run's defaults: 1f1b, twice the stages' microbatches)."""
+    for mesh, strategy in tried:
+        if "stage" not in mesh:
+            yield (mesh, strategy), (None, ())
+            continue
+        for schedule, k in itertools.product(schedules, per_stage):
+            microbatches = k * mesh["stage"]
+            flags = ("--schedule", schedule) if schedule != "1f1b" else ()
+            flags += ("--microbatches", str(microbatches)) if k != 2 else ()
+            yield (mesh, strategy), (PipelineOptions(schedule, microbatches), flags)
 
 
 def _stored(plan: Plan, params: Any) -> Any:
@@ -213,9 +335,9 @@ def _stored(plan: Plan, params: Any) -> Any:
     )
 
 
-def _tensor_differs(profile: Profile, mesh: Mapping[str, int]) -> bool:
+def _tensor_differs(profile: Profile | None, mesh: Mapping[str, int]) -> bool:
     """Whether the positions of ``mesh``'s tensor axis differ in speed on the devices of ``profile``."""
-    return mesh.get("tensor", 1) > 1 and len(set(rank_speeds(profile, mesh, "tensor"))) > 1
+    return profile is not None and mesh.get("tensor", 1) > 1 and len(set(rank_speeds(profile, mesh, "tensor"))) > 1
 
 
 def _tried(

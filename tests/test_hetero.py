@@ -12,6 +12,7 @@ import pytest
 import spmd
 from spmd import costmodel, data, models
 from spmd.devices import Profile
+from spmd.execution import Shares
 from strategies import hetero
 from tests.conftest import run_checked, run_cli, train_steps
 
@@ -290,20 +291,35 @@ def test_data_positions_need_the_parameters_whole_over_data_and_a_data_axis(caps
 
 def test_a_pipeline_keeps_the_order_given_unless_its_inner_groups_mix_kinds():
     """Devices of one kind together for plans other than pipelines; a pipeline keeps the order given where its
-    tensor groups are of one kind, and otherwise gives each data position devices of one kind."""
-    from spmd.cli.setup import _kind_order
-
+    tensor groups are of one kind, and otherwise gives each data position devices of one kind. One axis, or
+    one kind, keeps the order given."""
+    order_of = hetero.device_order
     sizes = {"stage": 2, "data": 2, "tensor": 2}
     kept = Profile.from_speeds([2, 2, 1, 1, 2, 2, 1, 1])  # each tensor pair one kind already
-    assert _kind_order(kept, sizes, pipelined=True) == tuple(range(8))
+    assert order_of(kept, sizes, pipelined=True) == tuple(range(8))
     mixed = Profile.from_speeds([2, 1, 2, 1, 2, 1, 2, 1])  # every tensor pair mixes the kinds
-    order = _kind_order(mixed, sizes, pipelined=True)
+    order = order_of(mixed, sizes, pipelined=True)
     grid = np.array(mixed.reordered(order).speeds).reshape(2, 2, 2)
     assert all(len(set(grid[:, d].ravel())) == 1 for d in range(2)), grid  # one kind per data position
-    assert _kind_order(mixed, {"stage": 2, "data": 4}, pipelined=True) == tuple(range(8))  # no inner groups
-    assert _kind_order(mixed, sizes, pipelined=False) == hetero.kind_order(mixed, sizes)
+    assert order_of(mixed, {"stage": 2, "data": 4}, pipelined=True) == tuple(range(8))  # no inner groups
+    assert order_of(mixed, sizes, pipelined=False) == hetero.kind_order(mixed, sizes) != tuple(range(8))
+    assert order_of(mixed, {"data": 8}) == order_of(Profile.from_speeds([1] * 8), sizes) == tuple(range(8))
     with pytest.raises(ValueError, match="outer='dta' is not an axis of the mesh"):
         hetero.kind_order(mixed, sizes, outer="dta")
+
+
+def test_the_planner_prices_the_devices_in_the_order_a_run_lays_them_out():
+    """On data=4 × tensor=2 with the kinds alternating, spmd run puts each tensor pair on one kind: the planner
+    prices that layout (batch shares by kind, tensor units even), not mixed pairs with uneven units."""
+    from strategies import suggest
+
+    params = jax.eval_shape(models.get("gpt-tiny").init, jax.random.key(0))
+    ranked, _ = suggest.rank(
+        params, costmodel.Workload(64, 32), costmodel.HARDWARE["h100"], devices=8, memory_per_device=1 << 34,
+        optimizer=optax.adam(1e-3), max_tensor=2, remats=(), profile=Profile.from_speeds([2, 1] * 4),
+    )  # fmt: skip
+    tp = next(s for s in ranked if s.strategy == "dp+tp" and s.mesh == {"data": 4, "tensor": 2} and s.plan.execution)
+    assert isinstance(tp.plan.execution, Shares) and tp.plan.execution.shares == (21, 21, 11, 11)
 
 
 @pytest.mark.slow  # shares and their caps are checked through the API in the default tier

@@ -43,8 +43,9 @@ def text(info: dict[str, Any]) -> str:
     if info.get("rank_microbatches"):
         split += f", microbatches per data position {info['rank_microbatches']}"
     t = info["simulated_step_time"]
-    speedup, ideal = info["simulated_speedup"], info["ideal_speedup"]
+    speedup, ideal, bound = info["simulated_speedup"], info["ideal_speedup"], info["speedup_bound"]
     return (
         f"heterogeneous devices (speeds {info['device_speeds']}): {split}; modelled step "
-        f"{t['even'] * 1e3:.3g} ms even → {t['hetero'] * 1e3:.3g} ms uneven, speedup {speedup:.3f} (ideal {ideal:.3f})"
+        f"{t['even'] * 1e3:.3g} ms even → {t['hetero'] * 1e3:.3g} ms uneven, speedup {speedup:.3f} (ideal {ideal:.3f}; "
+        f"{bound:.3f} at most with the communication unchanged)"
     )

@@ -209,6 +209,12 @@ def _compare_flags(compare: argparse.ArgumentParser, suggest: argparse.ArgumentP
     suggest.add_argument("--confirm", type=int, default=3, help="compile this many of the best plans that fit")
     suggest.add_argument("--max-tensor", type=int, default=8, help="largest tensor-parallel axis to try")
     suggest.add_argument("--max-context", type=int, default=8, help="largest context axis (cp) to try; 1: none")
+    suggest.add_argument(
+        "--max-stages", type=int, default=8, help="largest pipeline (pp) stage axis to try; 1: no pipelines"
+    )
+    suggest.add_argument(
+        "--schedules", default="1f1b,zb-h1", help="pipeline schedules to try, each with 2 and 4 microbatches a stage"
+    )
     suggest.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
 
 
@@ -272,6 +278,8 @@ def check(args: argparse.Namespace) -> None:
         args.memory_per_device = parse_bytes(args.memory_per_device, "--memory-per-device")
     elif args.command == "suggest":
         raise UsageError("suggest needs --memory-per-device (e.g. 16GiB): the budget each plan must fit")
+    if args.command == "suggest":
+        args.schedules = schedules_arg(args.schedules)
     if getattr(args, "axis_bandwidth", None) is not None:
         args.axis_bandwidth = parse_bandwidth(args.axis_bandwidth)
     if getattr(args, "offload", None) is not None:
@@ -279,6 +287,23 @@ def check(args: argparse.Namespace) -> None:
     if getattr(args, "remat", None) is not None:
         args.remat = remat_arg(args.remat)
     _check_applies(args, getattr(args, "given", set()))
+
+
+def schedules_arg(text: str) -> tuple[str, ...]:
+    """The pipeline schedules suggest's ``--schedules`` names (named ones: a table fixes its stages and
+    microbatches), or a usage error naming those there are.
+
+    >>> schedules_arg("1f1b, zb-h1")
+    ('1f1b', 'zb-h1')
+    """
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in strategies.SCHEDULES]
+    if unknown or not names:
+        raise UsageError(
+            f"--schedules {text!r}: {'unknown schedule ' + repr(unknown[0]) if unknown else 'no schedule named'}; "
+            f"name some of {', '.join(strategies.SCHEDULES)}, joined with commas"
+        )
+    return names
 
 
 def remat_arg(value: str) -> Remat:

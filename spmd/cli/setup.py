@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import spmd
@@ -90,8 +89,8 @@ def setup(
     mesh = _mesh(spmd.parse_mesh(mesh_text or args.mesh), _dcn(args), explicit)
     profile = profile_of(args, mesh.size)
     pipelined = "pp" in (strategy or args.strategy).split("+")
-    if profile is not None and len(set(profile.kinds)) > 1 and len(mesh.shape) > 1:
-        order = _kind_order(profile, dict(mesh.shape), pipelined)
+    order = None if profile is None else strategies.hetero.device_order(profile, dict(mesh.shape), pipelined=pipelined)
+    if order is not None and order != tuple(range(mesh.size)):
         mesh = spmd.make_mesh(dict(mesh.shape), devices=[mesh.devices.flat[i] for i in order], explicit=explicit)
         profile = profile.reordered(order)
     name = model_name or args.model
@@ -121,26 +120,6 @@ def setup(
         model = models.rematerialised(model, plan.remat)
     on_nan = getattr(args, "on_nan", "stop")
     return Setup(model, params, mesh, plan, optimizer, hardware, profile, args.batch_size, args.seed, on_nan)
-
-
-def _kind_order(profile: Profile, sizes: dict[str, int], pipelined: bool) -> tuple[int, ...]:
-    """The device order for a profile of several kinds: devices of one kind together, so that the groups along
-    the inner axes (tensor parallelism's) stay inside one kind. A pipeline keeps the order given, where its
-    groups inside a stage and data position (tensor's, FSDP's) are of one kind already: its stages take layers,
-    and its data positions microbatches, by the speeds of the devices the order places there. Otherwise each
-    data position takes devices of one kind."""
-    if not pipelined:
-        return strategies.hetero.kind_order(profile, sizes)
-    given = tuple(range(len(profile.devices)))
-    inner = [a for a in sizes if a not in ("stage", "data")]
-    if not inner:
-        return given
-    kinds = np.array(profile.kinds).reshape(tuple(sizes.values()))
-    cells = np.moveaxis(kinds, [list(sizes).index(a) for a in inner], range(-len(inner), 0))
-    cells = cells.reshape(-1, math.prod(sizes[a] for a in inner))
-    if all(len(set(cell)) == 1 for cell in cells):
-        return given
-    return strategies.hetero.kind_order(profile, sizes, outer="data" if "data" in sizes else None)
 
 
 def _offloaded_activations(remat: spmd.Remat | None) -> spmd.Remat:

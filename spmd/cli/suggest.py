@@ -29,6 +29,16 @@ def command(args: argparse.Namespace) -> int:
     params = jax.eval_shape(model.init, jax.random.key(args.seed))
     hardware, optimizer, budget = hardware_of(args), optimizer_of(args), args.memory_per_device
     workload = costmodel.Workload(batch=args.batch_size, seq_len=model.config.seq_len)
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
+
+    def build(plan: spmd.Plan) -> models.Model:
+        """The model as run builds it for ``plan``: the plan's remat policy, bf16 under bf16."""
+        if args.model not in models.BUILTIN:
+            return model
+        bf16 = {"dtype": jnp.bfloat16} if plan.precision is not None else {}
+        built = models.get(args.model, **sizes, **bf16)
+        return models.rematerialised(built, plan.remat) if plan.remat else built
+
     ranked, skipped = search.rank(
         params,
         workload,
@@ -49,19 +59,19 @@ def command(args: argparse.Namespace) -> int:
         # On devices of different speeds the data-parallel ranks take shares by speed (--even: none).
         profile=None if args.even else profile_of(args, devices),
         microbatch=args.microbatch,
+        # Pipelines over a stage axis of every size the devices allow, each schedule asked for.
+        stages=[s for s in range(1, min(args.max_stages, devices) + 1) if devices % s == 0],
+        schedules=args.schedules,
+        microbatches_per_stage=(2, 4),
+        price=lambda mesh_axes, plan: _executor_costs(build(plan), optimizer, plan, mesh_axes, params, batch, workload),
     )
     if not ranked:
         raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
-    batch = {"tokens": jax.ShapeDtypeStruct((args.batch_size, model.config.seq_len), jnp.int32)}
 
     def compile_report(mesh_axes: dict, plan: spmd.Plan) -> spmd.Report:
-        built = model
-        if args.model in models.BUILTIN:  # as run builds it: the plan's remat policy, bf16 under bf16
-            bf16 = {"dtype": jnp.bfloat16} if plan.precision is not None else {}
-            built = models.get(args.model, **sizes, **bf16)
-            built = models.rematerialised(built, plan.remat) if plan.remat else built
         mesh = spmd.make_mesh(mesh_axes, explicit=args.axis_types == "explicit")
-        step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params)
+        built = build(plan)
+        step = spmd.TrainStep(models.loss_fn(built), optimizer, plan, mesh, params=params, staged=built.staged)
         return spmd.report(step, batch, hardware=hardware)
 
     confirmed = search.confirm(ranked, compile_report, memory_per_device=budget, top=args.confirm)
@@ -81,6 +91,16 @@ def command(args: argparse.Namespace) -> int:
     else:
         _show(args, model.name, devices, hardware.name, confirmed, skipped, best, why)
     return 0 if best is not None else 1
+
+
+def _executor_costs(
+    model: models.Model, optimizer: Any, plan: spmd.Plan, mesh_axes: dict, params: Any, batch: Any, workload: Any
+) -> tuple[Any, costmodel.Contribution]:
+    """What an executed plan (a pipeline) stores and contributes to the estimate, from a training step built
+    for it on the devices present (nothing compiled)."""
+    mesh = spmd.make_mesh(mesh_axes)
+    step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, mesh, params=params, staged=model.staged)
+    return step.layout, step.executor.costs(step.layout, batch, workload)
 
 
 def _show(
