@@ -107,3 +107,8 @@ def test_suggest_refuses_an_unknown_schedule(capsys):
 
     code, _, err = run_cli(capsys, "suggest", "--memory-per-device", "1GiB", "--schedules", "1f1b,gpipe2")
     one_error_line(code, err, r"--schedules '1f1b,gpipe2': unknown schedule 'gpipe2'; name some of gpipe, 1f1b, ")
+    # A run's pipeline flags would be ignored by the search: they are refused, saying what it searches.
+    code, _, err = run_cli(capsys, "suggest", "--memory-per-device", "1GiB", "--schedule", "zb-h1")
+    one_error_line(code, err, r"--schedule does not apply to suggest: it searches the schedules of --schedules")
+    code, _, err = run_cli(capsys, "suggest", "--memory-per-device", "1GiB", "--microbatches", "8")
+    one_error_line(code, err, r"--microbatches does not apply to suggest: it tries 2 and 4 microbatches a stage")

@@ -350,6 +350,17 @@ def _check_applies(args: argparse.Namespace, given: set[str]) -> None:
     """Flags that the chosen command or strategy would ignore are errors, not silently dropped."""
     if "offload" in given and args.command == "suggest":
         raise UsageError("--offload does not apply to suggest, which ranks plans without it; remove the flag")
+    ignored = {
+        "schedule": "it searches the schedules of --schedules (e.g. --schedules zb-h1)",
+        "microbatches": "it tries 2 and 4 microbatches a stage",
+        "virtual": "it searches schedules of one chunk per device",
+        "layers_per_stage": "a device profile gives the stages layers by their speeds",
+        "coverage": "it does not search subnetworks (sdp)",
+        "granularity": "it does not search subnetworks (sdp)",
+        "masking": "it does not search subnetworks (sdp)",
+    }
+    for flag in (f for f in ignored if f in given and args.command == "suggest"):
+        raise UsageError(f"--{flag.replace('_', '-')} does not apply to suggest: {ignored[flag]}; remove the flag")
     if "strategy" in given and args.command in ("compare", "suggest"):
         instead = "give the strategies to compare with --strategies" if args.command == "compare" else "it ranks them"
         raise UsageError(f"--strategy does not apply to {args.command}: {instead}")
