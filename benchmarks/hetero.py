@@ -20,7 +20,6 @@ the fastest kind as ``--device-kind``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 from typing import Any
 
@@ -65,15 +64,24 @@ def main() -> None:
             narrow=lambda sizes: models.loss_fn(models.narrowed(model, sizes)),
         )  # fmt: skip
 
-    def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, float, costmodel.StepTime]:
-        """A plan's step, and the cost model's FLOPs and step per device at the fastest device's speed, with
-        what its executor adds (a pipeline's sends between stages): its compute without the executor's bubble,
-        which ``hetero.summary`` simulates at each device's own speed instead."""
+    def priced(plan: spmd.Plan, axes: dict[str, int]) -> tuple[spmd.TrainStep, costmodel.Estimate, float]:
+        """A plan's step, the cost model's estimate of it at the fastest device's speed with what its executor
+        adds (a pipeline's sends between stages, its lock-step bubble), and that bubble."""
         step = step_for(plan, axes)
         costs = step.executor.costs(step.layout, batch, workload)
-        estimate = costmodel.estimate_layout(step.layout, plan, axes, workload, hardware, costs)
-        busy = dataclasses.replace(estimate.time, compute_s=estimate.time.compute_s / costs.compute_factor)
-        return step, estimate.flops, busy
+        return step, costmodel.estimate_layout(step.layout, plan, axes, workload, hardware, costs), costs.compute_factor
+
+    def compared(plan: spmd.Plan, even: spmd.Plan, axes: dict[str, int], placed: Any, **extra: Any) -> dict:
+        """``hetero.summary`` of ``plan`` on the devices of ``placed``, the even split charged the communication
+        of the ``even`` plan (a pipeline's positions with more microbatches send more; stages padded to the
+        deepest gather more)."""
+        step, estimate, bubble = priced(plan, axes)
+        if isinstance(plan.execution, spmd.execution.PipelineSpec):
+            extra["layers_per_stage"] = step.executor.engine.placement.counts
+        return hetero.summary(
+            plan, axes, placed, args.batch_size, estimate.flops, estimate.time, compute_factor=bubble,
+            even_comm_s=priced(even, axes)[1].time.comm_s, **extra,
+        )  # fmt: skip
 
     @functools.cache
     def costs_of(axes: tuple[tuple[str, int], ...], plan: spmd.Plan) -> tuple[Any, costmodel.Contribution]:
@@ -85,6 +93,7 @@ def main() -> None:
         even plans recur on every cluster."""
         return costs_of(tuple(axes.items()), plan)
 
+    even_ranked: dict[str, list] = {}  # the planner's ranking on devices of one kind: the same for every cluster
     table = Table(
         title=f"{args.model}, batch {args.batch_size}, 8 devices, fastest = {args.device_kind}: modelled step time",
         title_justify="left",
@@ -96,38 +105,35 @@ def main() -> None:
         data_axes = {"data": 8}
         shares = hetero.batch_shares(args.batch_size, profile, data_axes)
         plan = strategies.data_parallel() + hetero.uneven_data_parallel(shares)
-        _, flops, modelled = priced(strategies.data_parallel(), data_axes)
-        dp = hetero.summary(plan, data_axes, profile, args.batch_size, flops, modelled)
+        _, estimate, _ = priced(strategies.data_parallel(), data_axes)
+        dp = hetero.summary(plan, data_axes, profile, args.batch_size, estimate.flops, estimate.time)
         pp_axes = {"stage": 4, "data": 2}
         counts = hetero.stage_layers(model.config.layers, profile, pp_axes)
         options = strategies.PipelineOptions("1f1b", args.microbatches, 1, counts)
         pp_plan = strategies.from_names("pp+dp", pp_axes, pipeline_options=options)
-        step, flops, modelled = priced(pp_plan, pp_axes)
-        pp = hetero.summary(
-            pp_plan, pp_axes, profile, args.batch_size, flops, modelled, step.executor.engine.placement.counts
-        )
+        even_options = strategies.PipelineOptions("1f1b", args.microbatches, 1, None)
+        pp = compared(pp_plan, strategies.from_names("pp+dp", pp_axes, pipeline_options=even_options), pp_axes, profile)
         # Each data position runs its own pipeline, on stage devices of one kind, with microbatches by its speed.
         columns = {"stage": 2, "data": 4}
         placed = profile.reordered(hetero.kind_order(profile, columns, outer="data"))
-        options = strategies.PipelineOptions("1f1b", args.microbatches, 1, None)
-        even_plan = strategies.from_names("pp+dp", columns, pipeline_options=options)
+        even_plan = strategies.from_names("pp+dp", columns, pipeline_options=even_options)
         ranks_plan = hetero.apply_profile(
             even_plan, columns, placed, params=abstract, workload=workload, optimizer=optimizer
         )
-        step, flops, modelled = priced(ranks_plan, columns)
-        ranks = hetero.summary(ranks_plan, columns, placed, args.batch_size, flops, modelled)
+        ranks = compared(ranks_plan, even_plan, columns, placed)
         # Uneven tensor parallelism: each tensor pair mixes a fast device with a slow one.
         tp_axes = {"data": 4, "tensor": 2}
         mixed = profile.reordered((0, 4, 1, 5, 2, 6, 3, 7))
+        even_tp = strategies.from_names("dp+tp", tp_axes)
         tp_plan = hetero.apply_profile(
-            strategies.from_names("dp+tp", tp_axes), tp_axes, mixed, params=abstract, workload=workload,
-            optimizer=optimizer,
+            even_tp, tp_axes, mixed, params=abstract, workload=workload, optimizer=optimizer
         )  # fmt: skip
-        _, flops, modelled = priced(tp_plan, tp_axes)
         at = tensor_shares.tensor_position_flops(tp_plan, abstract, tp_axes, workload)
-        tp = hetero.summary(tp_plan, tp_axes, mixed, args.batch_size, flops, modelled, tensor_flops=at)
+        tp = compared(tp_plan, even_tp, tp_axes, mixed, tensor_flops=at)
         units = ", ".join(f"{n} {u}" for n, u in tp["tensor_units"].items())
-        picked = functools.partial(_picked, suggest, abstract, workload, hardware, optimizer, profile, executor_costs)
+        picked = functools.partial(
+            _picked, suggest, abstract, workload, hardware, optimizer, profile, executor_costs, even_ranked
+        )
         for name, info, split in (
             ("dp, data=8", dp, f"shares {dp['batch_shares']}"),
             ("dp+fsdp, data=4 × fsdp=2", *picked(("dp+fsdp", {"data": 4, "fsdp": 2}))),
@@ -151,9 +157,6 @@ def main() -> None:
     Console().print(table)
 
 
-_EVEN: dict[str, list] = {}
-
-
 def _picked(
     suggest: Any,
     params: Any,
@@ -162,6 +165,7 @@ def _picked(
     optimizer: Any,
     profile: Any,
     price: Any,
+    even_ranked: dict[str, list],
     only: Any = None,
 ) -> tuple[dict, str]:
     """The planner's pick on the profile's devices (``only``: of that strategy on that mesh, its best microbatch
@@ -170,9 +174,9 @@ def _picked(
     options = {"devices": 8, "memory_per_device": 80 << 30, "optimizer": optimizer, "max_tensor": 2}
     options |= {"stages": (1, 2, 4), "schedules": ("1f1b", "zb-h1"), "microbatches_per_stage": (2, 4), "price": price}
     ranked, _ = suggest.rank(params, workload, hardware, **options, profile=profile)
-    if "even" not in _EVEN:  # the planner's ranking on devices of one kind: the same for every cluster
-        _EVEN["even"] = suggest.rank(params, workload, hardware, **options)[0]
-    even = _EVEN["even"]
+    if "even" not in even_ranked:
+        even_ranked["even"] = suggest.rank(params, workload, hardware, **options)[0]
+    even = even_ranked["even"]
     if only is not None:
         ranked, even = ([s for s in r if (s.strategy, s.mesh) == only] for r in (ranked, even))
     pace = max(profile.speeds) / min(profile.speeds)

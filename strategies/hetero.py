@@ -40,7 +40,7 @@ from spmd import axes as A
 from spmd.costmodel import StepTime
 from spmd.devices import Profile
 from spmd.execution import PipelineSpec, Shares, TensorShares
-from spmd.pipeline import Schedule, simulate
+from spmd.pipeline import Schedule, simulate_lockstep
 from spmd.rules import ShardLargest, leaves_with_paths
 from strategies._split import position_name, proportional_split, rank_memory, rank_speeds
 from strategies.pipeline import SCHEDULES, pipeline_schedule
@@ -57,8 +57,8 @@ __all__ = [
     "proportional_split",
     "rank_microbatches",
     "rank_speeds",
-    "stage_layers",
     "speedup_bound",
+    "stage_layers",
     "summary",
     "uneven_data_parallel",
 ]
@@ -258,21 +258,23 @@ def pipeline_step_times(
     schedule: Schedule, even: Sequence[int], counts: Sequence[int], speeds: Sequence[float], layer_s: float = 1.0
 ) -> dict[str, float]:
     """Simulated step times of a pipeline with ``even`` and with ``counts`` layers per global stage, when one
-    layer's F, B or W for one microbatch takes ``layer_s`` at speed 1 and device ``d`` runs at ``speeds[d]``.
+    layer's F, B or W for one microbatch takes ``layer_s`` at speed 1 and device ``d`` runs at ``speeds[d]``: in
+    lock-step, as the one SPMD program runs it (:func:`spmd.pipeline.simulate_lockstep`).
 
     >>> from strategies.pipeline import pipeline_schedule
     >>> t = pipeline_step_times(pipeline_schedule("1f1b", stages=2, microbatches=8), (4, 4), (6, 2), (3, 1))
-    >>> round(t["speedup"], 3), t["ideal"]
-    (1.852, 2.0)
+    >>> round(t["speedup"], 3), t["ideal"]  # a tick lasts its dearest action: F beside B waits out B
+    (1.471, 2.0)
     """
     p, v = schedule.stages, schedule.virtual
 
     def makespan(layers: Sequence[int]) -> float:
-        # Costs are per whole stage (a chunk's op is 1/v of it): scale each chunk by its layers × v / speed.
+        # Costs are per whole stage (a chunk's op is 1/v of it): scale each chunk by its layers × v / speed. The
+        # program runs in lock-step: each tick lasts as long as its dearest action.
         scale = [
             [Fraction(layers[schedule.stage_of(d, c)] * v) / Fraction(speeds[d]) for c in range(v)] for d in range(p)
         ]
-        return float(simulate(schedule, scale=scale).makespan) * layer_s
+        return float(simulate_lockstep(schedule, scale=scale).makespan) * layer_s
 
     t_even, t = makespan(even), makespan(counts)
     return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(speeds) / (p * min(speeds))}
@@ -321,6 +323,9 @@ def summary(
     modelled: StepTime,
     layers_per_stage: Sequence[int] | None = None,
     tensor_flops: tuple[float, Sequence[float]] | None = None,
+    *,
+    compute_factor: float = 1.0,
+    even_comm_s: float | None = None,
 ) -> dict[str, Any]:
     """What a profile changes for ``plan``: its ``batch_shares`` (None when even), or a pipeline's
     ``layers_per_stage`` and ``rank_microbatches`` (its data positions' microbatches; None when each runs the
@@ -331,14 +336,20 @@ def summary(
 
     ``flops_per_device`` and ``modelled`` are the cost model's figures for the plan at the fastest device's speed
     (``spmd.report`` or ``costmodel.estimate``; for a pipeline whose data positions run their own schedules, a
-    device of the busiest position); a device's speed scales its compute.
+    device of the busiest position); a device's speed scales its compute. ``compute_factor``: the bubble that
+    ``modelled``'s compute includes (the executor's ``Contribution.compute_factor``), which the simulation of a
+    pipeline's schedule at each device's speed replaces. ``even_comm_s``: the even plan's communication, where it
+    moves less than this one (a pipeline position's extra ticks, stages padded to the deepest); by default the
+    plan's own, added to both splits.
 
     >>> plan, profile = uneven_data_parallel((12, 4, 4, 4)), Profile.from_speeds([3, 1, 1, 1])
     >>> s = summary(plan, {"data": 4}, profile, 24, 1e9, StepTime(compute_s=1.0, comm_s=0.0, hardware="cpu"))
     >>> s["batch_shares"], s["simulated_step_time"], s["simulated_speedup"]  # the slow devices bound the even split
     ([12, 4, 4, 4], {'even': 3.0, 'hetero': 2.0}, 1.5)
     """
-    rate = flops_per_device / max(modelled.compute_s, 1e-30)  # FLOP/s the cost model gives the fastest device
+    # FLOP/s the cost model gives the fastest device, its compute without the executor's bubble.
+    rate = flops_per_device * compute_factor / max(modelled.compute_s, 1e-30)
+    comm_s, even_comm_s = modelled.comm_s, modelled.comm_s if even_comm_s is None else even_comm_s
     out: dict[str, Any] = {}
     spec = plan.execution
     if isinstance(spec, PipelineSpec):
@@ -352,13 +363,13 @@ def summary(
         # most layers, so the FLOPs counted on it are a device of the deepest stage's: v chunks of that many.
         s = spec.busiest
         layer_s = flops_per_device / (3 * s.virtual * max(layers) * s.microbatches) / rate
-        times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, modelled.comm_s)
+        times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, 0.0)
         out["layers_per_stage"] = list(layers)
         out["rank_microbatches"] = list(spec.rank_microbatches) if spec.data_schedules else None
     elif isinstance(spec, TensorShares):
         if tensor_flops is None:
             raise ValueError("summary: uneven tensor shares are priced from tensor_flops (tensor_position_flops)")
-        times = tensor_step_times(spec, profile, mesh_axes, tensor_flops, rate, modelled.comm_s)
+        times = tensor_step_times(spec, profile, mesh_axes, tensor_flops, rate, 0.0)
         out["tensor_units"] = {n: list(spec.of(n)) for n in spec.names}
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")
@@ -371,13 +382,15 @@ def summary(
         per_example_s = flops_per_device * ways / batch / rate
         per_device = [x / within for x in shares]
         relative = [x / max(profile.speeds) for x in speeds]  # the cost model priced the fastest device
-        times = modelled_step_times(per_example_s, relative, per_device, modelled.comm_s)
+        times = modelled_step_times(per_example_s, relative, per_device)
         out["batch_shares"] = list(uneven.shares) if uneven else None
+    # Communication after compute, as the hardware model runs it: each split's own.
+    t_even, t = times["even"] + even_comm_s, times["hetero"] + comm_s
     return out | {
-        "simulated_step_time": {"even": times["even"], "hetero": times["hetero"]},
-        "simulated_speedup": times["speedup"],
+        "simulated_step_time": {"even": t_even, "hetero": t},
+        "simulated_speedup": t_even / t,
         "ideal_speedup": times["ideal"],
-        "speedup_bound": speedup_bound(times["even"], modelled.comm_s, times["ideal"]),
+        "speedup_bound": speedup_bound(t_even, even_comm_s, times["ideal"]),
         "device_speeds": list(profile.speeds),
     }
 
@@ -427,8 +440,8 @@ def profiled_step_time(
     t = estimate.time
     spec = plan.execution
     if isinstance(spec, Shares) or (isinstance(spec, PipelineSpec) and (spec.layers_per_stage or spec.data_schedules)):
-        busy = dataclasses.replace(t, compute_s=t.compute_s / compute_factor)
-        return summary(plan, mesh_axes, profile, batch, estimate.flops, busy)["simulated_step_time"]["hetero"]
+        priced = summary(plan, mesh_axes, profile, batch, estimate.flops, t, compute_factor=compute_factor)
+        return priced["simulated_step_time"]["hetero"]
     if isinstance(spec, TensorShares):
         if params is None or workload is None:
             raise ValueError("profiled_step_time: uneven tensor shares are priced from params= and workload=")

@@ -82,9 +82,10 @@ class Suggestion:
 
 
 def _pipeline_split(spec: Any) -> dict[str, Any]:
-    """A pipeline's schedule, microbatches, layers per global stage and its data positions' microbatches."""
+    """A pipeline's schedule, microbatches, layers per global stage and its data positions' microbatches (None
+    for a plan without a pipeline)."""
     if not isinstance(spec, PipelineSpec):
-        return {}
+        return dict.fromkeys(("schedule", "microbatches", "layers_per_stage", "rank_microbatches"))
     return {
         "schedule": spec.schedule.name,
         "microbatches": spec.schedule.microbatches,
@@ -209,8 +210,9 @@ def rank(
     if any(n > 1 for n in stages) and price is None:
         raise ValueError("suggest.rank prices pipelines by their executor: pass price=(mesh, plan) -> (layout, costs)")
     search = _Search(
-        Context(params, workload, hardware, optimizer, memory_per_device), profile, microbatch, remat, remats,
-        accumulations, precisions, context_options, price,
+        plain=Context(params, workload, hardware, optimizer, memory_per_device), profile=profile,
+        microbatch=microbatch, remat=remat, remats=remats, accumulations=accumulations, precisions=precisions,
+        context_options=context_options, price=price,
     )  # fmt: skip
     out: list[Suggestion] = []
     skipped: list[str] = []

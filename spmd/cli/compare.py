@@ -52,7 +52,7 @@ def _row(name: str, s: Setup, args: argparse.Namespace) -> dict[str, Any]:
     row |= {k: d[k] for k in (*keys, "warnings")}
     row["step_time_s"] = statistics.median(times)
     if s.profile is not None:
-        row |= hetero.figures(s, report)
+        row |= hetero.figures(s, report, step)
     return row
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spmd import Report, costmodel
+from spmd import Report, TrainStep, costmodel
 from spmd.cli.setup import Setup
 from spmd.execution import TensorShares
 from strategies import hetero, tensor_shares
@@ -13,18 +13,20 @@ from strategies import hetero, tensor_shares
 __all__ = ["figures", "text"]
 
 
-def figures(s: Setup, report: Report) -> dict[str, Any]:
+def figures(s: Setup, report: Report, step: TrainStep) -> dict[str, Any]:
     """``batch_shares``, ``layers_per_stage`` (and a pipeline's ``rank_microbatches``) or ``tensor_units``, the
-    modelled step time of the even split and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s)."""
+    modelled step time of the even split and of the uneven one, their ratio, and the ideal ratio Σs / (N · min s)
+    (``report``: the ``step``'s, whose executor's bubble the modelled compute includes)."""
+    workload = costmodel.Workload(s.batch_size, s.model.config.seq_len)
+    bubble = step.executor.costs(step.layout, s.abstract_batch(), workload).compute_factor
     # A pipeline's layers per stage, as its engine placed them (an even split unless the plan says otherwise).
     layers = report.execution.figures.get("layers_per_stage") if report.execution is not None else None
     tensor = None
     if isinstance(s.plan.execution, TensorShares):  # each tensor position's FLOPs with its own units
-        workload = costmodel.Workload(s.batch_size, s.model.config.seq_len)
         tensor = tensor_shares.tensor_position_flops(s.plan, s.params, dict(s.mesh.shape), workload)
     return hetero.summary(
         s.plan, dict(s.mesh.shape), s.profile, s.batch_size, report.flops_per_device, report.modelled_step_time,
-        layers, tensor_flops=tensor,
+        layers, tensor_flops=tensor, compute_factor=bubble,
     )  # fmt: skip
 
 

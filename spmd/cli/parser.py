@@ -32,7 +32,7 @@ DEMO = {"model": "gpt-tiny", "mesh": "data=2,fsdp=2,tensor=2", "strategy": "dp+f
 _POSITIVE = (
     "steps", "batch_size", "devices", "layers", "timed_steps", "block", "confirm", "max_tensor", "top", "size",
     "microbatch", "processes", "devices_per_process", "checkpoint_every", "microbatches", "virtual", "stages",
-    "accumulate", "seq_len", "max_context",
+    "accumulate", "seq_len", "max_context", "max_stages",
 )  # fmt: skip
 MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators take 32-bit seeds
 MAX_DEVICES = MAX_EMULATED_DEVICES  # emulated CPU devices: beyond, a program takes minutes to build

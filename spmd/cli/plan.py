@@ -16,12 +16,13 @@ __all__ = ["command"]
 
 def command(args: argparse.Namespace) -> int:
     s = setup(args)
-    report = spmd.report(s.step(), s.abstract_batch(), hardware=s.hardware)
+    step = s.step()
+    report = spmd.report(step, s.abstract_batch(), hardware=s.hardware)
     if isinstance(s.plan.execution, SubnetSpec):
         # What subnetworks save is measured against data parallelism for the same model, batch and mesh.
         data_parallel = s.step(plan=spmd.Plan(batch_axes=s.plan.batch_axes))
         report = report.with_data_parallel(spmd.report(data_parallel, s.abstract_batch(), hardware=s.hardware))
-    info = hetero.figures(s, report) if s.profile is not None else {}
+    info = hetero.figures(s, report, step) if s.profile is not None else {}
     if args.json:
         print(dumps({"model": s.model.name, **report.to_dict(), **info}))
         return 0

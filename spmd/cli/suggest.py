@@ -59,11 +59,16 @@ def command(args: argparse.Namespace) -> int:
         # On devices of different speeds the data-parallel ranks take shares by speed (--even: none).
         profile=None if args.even else profile_of(args, devices),
         microbatch=args.microbatch,
-        # Pipelines over a stage axis of every size the devices allow, each schedule asked for.
-        stages=[s for s in range(1, min(args.max_stages, devices) + 1) if devices % s == 0],
+        # Pipelines over a stage axis of every size the devices allow, each schedule asked for, for a model cut
+        # into stages; each priced by its executor, as run would build it.
+        stages=[
+            s for s in range(1, min(args.max_stages, devices) + 1) if devices % s == 0 and (s == 1 or model.staged)
+        ],
         schedules=args.schedules,
         microbatches_per_stage=(2, 4),
-        price=lambda mesh_axes, plan: _executor_costs(build(plan), optimizer, plan, mesh_axes, params, batch, workload),
+        price=lambda mesh_axes, plan: _executor_costs(
+            build(plan), optimizer, plan, mesh_axes, params, batch, workload, args.axis_types == "explicit"
+        ),
     )
     if not ranked:
         raise ValueError(f"no plan could be built for {model.name} on {devices} devices: {skipped[0]}")
@@ -94,11 +99,19 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _executor_costs(
-    model: models.Model, optimizer: Any, plan: spmd.Plan, mesh_axes: dict, params: Any, batch: Any, workload: Any
+    model: models.Model,
+    optimizer: Any,
+    plan: spmd.Plan,
+    mesh_axes: dict,
+    params: Any,
+    batch: Any,
+    workload: Any,
+    explicit: bool,
 ) -> tuple[Any, costmodel.Contribution]:
     """What an executed plan (a pipeline) stores and contributes to the estimate, from a training step built
-    for it on the devices present (nothing compiled)."""
-    mesh = spmd.make_mesh(mesh_axes)
+    for it on the devices present, as run builds it (nothing compiled; each plan is priced once, the ranking
+    keeps no two alike)."""
+    mesh = spmd.make_mesh(mesh_axes, explicit=explicit)
     step = spmd.TrainStep(models.loss_fn(model), optimizer, plan, mesh, params=params, staged=model.staged)
     return step.layout, step.executor.costs(step.layout, batch, workload)
 
