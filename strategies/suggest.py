@@ -197,7 +197,9 @@ def rank(
     pipeline keeps what its slots hold). A pipeline's layout (its stacked stages) and what its schedule costs
     (the bubble, the sends between stages, the slots) come from its executor: ``price(mesh, plan)`` returns the
     ``(layout, contribution)`` of a :class:`spmd.TrainStep` built for it (``step.layout`` and
-    ``step.executor.costs``), which a model without stacked layers refuses (the composition is skipped).
+    ``step.executor.costs``), which a model without stacked layers refuses (the composition is skipped). On a
+    ``profile``, each mesh takes the devices in the order ``spmd run`` lays them out in
+    (:func:`strategies.hetero.device_order`): a suggestion's plan runs on a mesh built in that order.
 
     >>> import jax, optax
     >>> from spmd import costmodel

@@ -88,8 +88,16 @@ def test_hetero_script():
     assert len(rows) == 18, out  # three clusters: data parallel, FSDP, pipelined two ways, uneven TP, the pick
     for cells in rows:
         speedup, ideal, ratio = (float(cells[i]) for i in (-4, -3, -1))
-        # The planner's picks may keep shares even where FSDP's per-iteration gathers cost more than they save.
-        floor = 1.0 if "fsdp" in cells[1] or "pick" in cells[1] else 1.0 + 1e-9
+        # Uneven data parallelism moves what the even split moves, so it is faster. The planner's picks (the FSDP
+        # row's among them) keep the even split where it is faster. A fixed uneven pipeline or tensor split moves
+        # more than the even one (a position's extra ticks, padded units), which on gpt-tiny's latency-bound step
+        # can cost more than the compute saved: those rows are only held to their bound.
+        plan = cells[1].strip()
+        floor = 0.0
+        if plan.startswith(("dp+fsdp", "planner's pick")):
+            floor = 1.0
+        elif plan.startswith("dp, "):
+            floor = 1.0 + 1e-9
         assert floor <= speedup <= ideal + 1e-9 and ratio == pytest.approx(speedup / ideal, abs=1e-3), cells
         # A plan's own bound (its communication unchanged) holds, to the printed digits.
         bound = cells[-2].strip()
