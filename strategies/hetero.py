@@ -287,9 +287,8 @@ def _pipeline_times(
     profile: Profile,
     mesh_axes: Mapping[str, int],
     layer_s: float,
-    comm_s: float,
 ) -> dict[str, float]:
-    """A pipeline's modelled step, even and uneven, communication (``comm_s``) added to both: without data
+    """A pipeline's modelled compute, even and uneven (:func:`summary` adds each split's communication): without data
     schedules the stages' (each at its slowest device's speed); with them, each data position runs its own
     pipeline on its devices, and the step lasts as long as the slowest of them (the even split: every position
     runs the plan's own schedule)."""
@@ -297,17 +296,14 @@ def _pipeline_times(
     if spec.data_schedules is None:
         speeds = [x / fastest for x in rank_speeds(profile, mesh_axes, spec.axis)]
         t = pipeline_step_times(spec.schedule, even, layers, speeds, layer_s)
-        t_even, t_hetero, ideal = t["even"] + comm_s, t["hetero"] + comm_s, t["ideal"]
-        return {"even": t_even, "hetero": t_hetero, "speedup": t_even / t_hetero, "ideal": ideal}
+        return t
     grid = np.array(profile.speeds).reshape(tuple(mesh_axes.values())) / fastest
     order = [list(mesh_axes).index(spec.axis), list(mesh_axes).index(spec.data_axis)]
     # [stage device, data position, the rest]: a stage device of a position runs at its slowest device's speed.
     per = np.moveaxis(grid, order, (0, 1)).reshape(mesh_axes[spec.axis], mesh_axes[spec.data_axis], -1).min(axis=2)
     plain = spec.schedule  # the plan's own, run by every position in the even split
-    t_even = comm_s + max(
-        pipeline_step_times(plain, even, even, per[:, d], layer_s)["even"] for d in range(per.shape[1])
-    )
-    t = comm_s + max(
+    t_even = max(pipeline_step_times(plain, even, even, per[:, d], layer_s)["even"] for d in range(per.shape[1]))
+    t = max(
         pipeline_step_times(r, layers, layers, per[:, d], layer_s)["even"] for d, r in enumerate(spec.data_schedules)
     )
     speeds = rank_speeds(profile, mesh_axes, spec.data_axis)
@@ -363,13 +359,13 @@ def summary(
         # most layers, so the FLOPs counted on it are a device of the deepest stage's: v chunks of that many.
         s = spec.busiest
         layer_s = flops_per_device / (3 * s.virtual * max(layers) * s.microbatches) / rate
-        times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s, 0.0)
+        times = _pipeline_times(spec, even, layers, profile, mesh_axes, layer_s)
         out["layers_per_stage"] = list(layers)
         out["rank_microbatches"] = list(spec.rank_microbatches) if spec.data_schedules else None
     elif isinstance(spec, TensorShares):
         if tensor_flops is None:
             raise ValueError("summary: uneven tensor shares are priced from tensor_flops (tensor_position_flops)")
-        times = tensor_step_times(spec, profile, mesh_axes, tensor_flops, rate, 0.0)
+        times = tensor_step_times(spec, profile, mesh_axes, tensor_flops, rate)
         out["tensor_units"] = {n: list(spec.of(n)) for n in spec.names}
     else:
         speeds = rank_speeds(profile, mesh_axes, "data")

@@ -3,7 +3,7 @@ hidden units in proportion to their speeds (the plan's execution a :class:`spmd.
 
 - :func:`tensor_units`: the units per position, water-filled over the work every position runs whole;
 - :func:`tensor_position_flops`: one device's FLOPs per step under the even split and at each position;
-- :func:`tensor_step_times`: the modelled step of the even and of the uneven split;
+- :func:`tensor_step_times`: the modelled compute of the even and of the uneven split;
 - :func:`units_split_over`: the unit dimensions a plan splits over an axis (what a profile can make uneven).
 
 >>> import jax
@@ -129,21 +129,20 @@ def tensor_step_times(
     mesh_axes: Mapping[str, int],
     tensor_flops: tuple[float, Sequence[float]],
     rate: float,
-    comm_s: float,
 ) -> dict[str, float]:
-    """The modelled step of the even and of the uneven split, each position's FLOPs (``tensor_flops``, from
-    :func:`tensor_position_flops`) at its speed relative to the fastest device's ``rate`` (FLOP/s), with the
-    communication ``comm_s`` added to both; the speedup and the ideal Σs / (N · min s) over the axis.
+    """The modelled compute of the even and of the uneven split, each position's FLOPs (``tensor_flops``, from
+    :func:`tensor_position_flops`) at its speed relative to the fastest device's ``rate`` (FLOP/s); the speedup
+    and the ideal Σs / (N · min s) over the axis (``hetero.summary`` adds each split's communication).
 
     >>> spec = TensorShares("tensor", (("mlp", (3, 1)),))
-    >>> t = tensor_step_times(spec, Profile.from_speeds([3, 1]), {"tensor": 2}, (2.0, (3.0, 1.0)), 1.0, 0.0)
+    >>> t = tensor_step_times(spec, Profile.from_speeds([3, 1]), {"tensor": 2}, (2.0, (3.0, 1.0)), 1.0)
     >>> t["even"], t["hetero"], t["speedup"], t["ideal"]
     (6.0, 3.0, 2.0, 2.0)
     """
     even_flops, at = tensor_flops
     relative = [x / max(profile.speeds) for x in rank_speeds(profile, mesh_axes, spec.axis)]
-    t_even = max(even_flops / rate / r for r in relative) + comm_s
-    t = max(f / rate / r for f, r in zip(at, relative, strict=True)) + comm_s
+    t_even = max(even_flops / rate / r for r in relative)
+    t = max(f / rate / r for f, r in zip(at, relative, strict=True))
     return {"even": t_even, "hetero": t, "speedup": t_even / t, "ideal": sum(relative) / (len(at) * min(relative))}
 
 
